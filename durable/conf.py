@@ -1,0 +1,67 @@
+"""The DURABLE settings dict, with documented defaults, resolved lazily.
+
+Reading happens on every attribute access so that ``override_settings`` works in tests.
+"""
+
+from django.conf import settings
+
+DEFAULTS = {
+    # Seconds a claim holds a job before another worker may take it over.
+    "LEASE_SECONDS": 60,
+    # Default per-step timeout in seconds; a step may declare its own.
+    "STEP_TIMEOUT": 30,
+    # Margin the system check requires between a step's timeout and the lease.
+    "LEASE_MARGIN_SECONDS": 5,
+    # Attempts per step before the job goes to its failed state.
+    "MAX_ATTEMPTS": 5,
+    # Full-jitter backoff: uniform(base, min(cap, base * 2**attempt)) seconds.
+    "BACKOFF_BASE": 1.0,
+    "BACKOFF_CAP": 300.0,
+    # A Retry-After longer than this is clamped (seconds).
+    "RETRY_AFTER_MAX": 3600.0,
+    # Submitted payloads larger than this (bytes of JSON) are refused.
+    "MAX_PAYLOAD_BYTES": 256 * 1024,
+    # last_error is truncated to this many characters (after secrets are scrubbed).
+    "MAX_ERROR_CHARS": 2000,
+    # Idle workers look for work at least this often (seconds), even without a wake-up.
+    "POLL_INTERVAL": 1.0,
+    # SQLite: how often an idle worker checks whether another connection committed.
+    "SQLITE_WAKE_INTERVAL": 0.01,
+    # PostgreSQL: wake idle workers with LISTEN/NOTIFY. Turn off behind PgBouncer
+    # transaction pooling unless LISTEN_DATABASE_URL points at a direct connection.
+    "LISTEN": True,
+    "LISTEN_DATABASE_URL": None,
+    # Seconds a SIGTERMed worker gets to finish its current step before it is killed.
+    "SHUTDOWN_GRACE": 30.0,
+    # Default number of worker processes (None: the CPU count).
+    "PROCESSES": None,
+    # Outbox dispatcher: rows claimed per round, and HTTP (connect, read) timeouts.
+    "DISPATCH_BATCH_SIZE": 20,
+    "HTTP_TIMEOUT": (3.05, 10.0),
+    # Bounded lookups of an unknown action before it waits for an operator.
+    "LOOKUP_ATTEMPTS": 5,
+    # Named action destinations: {"crm": {"CLASS": "durable.dispatch.HttpDestination", ...}}.
+    "DESTINATIONS": {},
+    # Approvals: default expiry (seconds) and whether a submitter may approve their own job.
+    "APPROVAL_EXPIRY_SECONDS": 24 * 3600,
+    "FOUR_EYES": False,
+    # Console: payload keys shown as "***" unless the user has durable.view_payload.
+    "REDACT_KEYS": ["password", "secret", "token", "api_key", "authorization"],
+    # Console alert thresholds (seconds).
+    "ALERT_OLDEST_SECONDS": 3600,
+    "ALERT_APPROVAL_EXPIRY_SECONDS": 3600,
+    # Fault injection for drills: the name of a fault point where the process SIGKILLs itself.
+    "FAULT_POINT": None,
+}
+
+
+class DurableSettings:
+    """Attribute access to DURABLE settings, falling back to DEFAULTS."""
+
+    def __getattr__(self, name):
+        if name not in DEFAULTS:
+            raise AttributeError(f"Unknown DURABLE setting {name!r}")
+        return getattr(settings, "DURABLE", {}).get(name, DEFAULTS[name])
+
+
+durable_settings = DurableSettings()

@@ -1,0 +1,77 @@
+"""Errors raised by durable, all under one base class.
+
+Each docstring says what happened and whether retrying is safe.
+"""
+
+from django.core.exceptions import ValidationError
+
+
+class DurableError(Exception):
+    """Base class of every error durable raises."""
+
+
+class UnknownWorkflow(DurableError, LookupError):
+    """No workflow is registered under this name. Nothing was written; fix the name."""
+
+
+class IdempotencyConflict(DurableError):
+    """A job with this key exists with another workflow or payload.
+
+    Nothing was written. Retrying with the same key cannot succeed: use a new key
+    for a new piece of work, or the original payload to get the existing job.
+    """
+
+
+class PayloadInvalid(DurableError, ValidationError):
+    """The payload is not JSON-serialisable or is over the size limit. Nothing was written."""
+
+    def __init__(self, message):
+        ValidationError.__init__(self, message, code="invalid_payload")
+
+    def __str__(self):
+        return self.message
+
+
+class IllegalTransition(DurableError):
+    """A state change not in the workflow's transition table was attempted.
+
+    This is a bug at the call site, not a transient condition: retrying will fail again.
+    """
+
+
+class LeaseLost(DurableError):
+    """The worker no longer holds the job's lease; its write was refused (fenced).
+
+    Safe: another worker (or an operator) owns the job now; the caller must stop.
+    """
+
+
+class StaleState(DurableError):
+    """The job moved since the caller read it (compare-and-swap lost). Re-read and decide again."""
+
+
+class OperatorError(DurableError):
+    """An operator verb was refused (wrong state, live lease, stale form). Nothing changed."""
+
+
+class WorkflowConfigurationError(DurableError):
+    """A workflow or transition table is malformed; raised at declaration time."""
+
+
+# Errors a step raises to steer retry decisions.
+
+
+class RetryableError(DurableError):
+    """A transient failure: the step is retried with backoff (or after ``retry_after`` seconds)."""
+
+    def __init__(self, message="", *, retry_after=None):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class PermanentError(DurableError):
+    """A deterministic failure (poison): retrying cannot help, the job goes to its failed state."""
+
+
+class StepTimeout(RetryableError):
+    """The step ran past its timeout. Retryable: the step is re-run in a fresh process."""

@@ -1,0 +1,316 @@
+"""Jobs, memos, actions, approvals, pauses and the event log.
+
+Nothing here assigns ``Job.state``: ``durable.locking.transition`` is its only writer.
+"""
+
+from django.conf import settings
+from django.core.serializers.json import DjangoJSONEncoder
+from django.db import models
+from django.db.models import Q
+from django.db.models.functions import Now
+from django.utils.translation import gettext_lazy as _
+
+
+class JobQuerySet(models.QuerySet):
+    def runnable(self):
+        """Jobs a worker may claim now (next_run_at is NULL for everything else)."""
+        return self.filter(next_run_at__lte=Now())
+
+    def stuck(self):
+        """Jobs whose lease expired while a step was being worked."""
+        return self.filter(lease_until__lt=Now(), lease_owner__isnull=False).exclude(
+            lease_until__isnull=True
+        )
+
+    def live_lease(self):
+        return self.filter(lease_until__gte=Now())
+
+    def for_workflow(self, name):
+        return self.filter(workflow=name)
+
+
+class Job(models.Model):
+    """One run of a workflow for one input; its id is the caller's idempotency key."""
+
+    id = models.CharField(_("key"), max_length=255, primary_key=True)
+    workflow = models.CharField(_("workflow"), max_length=100)
+    workflow_version = models.PositiveIntegerField(_("workflow version"), default=1)
+    queue = models.CharField(_("queue"), max_length=100, default="default")
+    state = models.CharField(_("state"), max_length=100)
+    payload = models.JSONField(_("payload"), encoder=DjangoJSONEncoder)
+    result = models.JSONField(_("result"), null=True, blank=True, encoder=DjangoJSONEncoder)
+    attempts = models.PositiveIntegerField(_("attempts of the current step"), default=0)
+    # NULL when no worker should look at the job (terminal, or waiting for a human or
+    # the dispatcher); the claim query only reads rows where it is due.
+    next_run_at = models.DateTimeField(_("next run at"), null=True, blank=True)
+    lease_until = models.DateTimeField(_("lease until"), null=True, blank=True)
+    lease_owner = models.CharField(_("lease owner"), max_length=200, null=True, blank=True)
+    # Incremented by every claim; every write of a leased worker is fenced by it.
+    lease_token = models.BigIntegerField(_("lease token"), default=0)
+    # The durable timer of a waiting step, kept across re-runs of that step.
+    wake_at = models.DateTimeField(_("wake at"), null=True, blank=True)
+    last_error = models.TextField(_("last error"), blank=True, default="")
+    submitted_by = models.CharField(_("submitted by"), max_length=150, blank=True, default="")
+    created = models.DateTimeField(_("created"), auto_now_add=True)
+    updated = models.DateTimeField(_("updated"), auto_now=True)
+
+    objects = JobQuerySet.as_manager()
+
+    class Meta:
+        verbose_name = _("job")
+        verbose_name_plural = _("jobs")
+        indexes = [
+            # The claim query: only rows a worker should look at are in this index,
+            # so claim time does not grow with finished jobs.
+            models.Index(
+                fields=["next_run_at"],
+                name="durable_job_claim",
+                condition=Q(next_run_at__isnull=False),
+            ),
+            # The console's "where is everything" and per-state filters.
+            models.Index(fields=["workflow", "state"], name="durable_job_wf_state"),
+            models.Index(fields=["updated"], name="durable_job_updated"),
+        ]
+        permissions = [
+            ("view_payload", "Can see job payloads and outputs unredacted"),
+            ("requeue_job", "Can requeue a failed job"),
+            ("retry_job", "Can retry a job now"),
+            ("cancel_job", "Can cancel a job"),
+            ("send_back_job", "Can send back a job that needs a human"),
+            ("replay_step", "Can replay a step and replace its memo"),
+            ("pause_workflow", "Can pause and resume workflows"),
+        ]
+
+    def __str__(self):
+        return f"{self.workflow}:{self.id} [{self.state}]"
+
+    @property
+    def definition(self):
+        from .workflows import registry
+
+        return registry.get(self.workflow)
+
+    @property
+    def table(self):
+        return self.definition.table
+
+
+class StepResult(models.Model):
+    """The memo: one step's output for one job, never paid for twice."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="steps")
+    step = models.CharField(_("step"), max_length=100)
+    output = models.JSONField(_("output"), null=True, encoder=DjangoJSONEncoder)
+    cost = models.DecimalField(_("cost"), max_digits=18, decimal_places=6, default=0)
+    duration = models.DurationField(_("duration"))
+    attempt = models.PositiveIntegerField(_("attempt"), default=1)
+    workflow = models.CharField(_("workflow"), max_length=100)
+    at = models.DateTimeField(_("at"), auto_now_add=True)
+
+    class Meta:
+        verbose_name = _("step result")
+        verbose_name_plural = _("step results")
+        constraints = [
+            models.UniqueConstraint(fields=["job", "step"], name="durable_one_memo_per_step"),
+            models.CheckConstraint(condition=Q(cost__gte=0), name="durable_memo_cost_not_negative"),
+        ]
+        # The cost report: per step and workflow over a time range.
+        indexes = [models.Index(fields=["at", "workflow", "step"], name="durable_memo_cost")]
+
+    def __str__(self):
+        return f"{self.job_id}/{self.step}"
+
+
+class OutboxStatus(models.TextChoices):
+    PENDING = "pending", _("pending")  # written with the step; not yet sent
+    ATTEMPTED = "attempted", _("attempted")  # marked (committed) before sending; outcome not yet known
+    SUCCEEDED = "succeeded", _("succeeded")  # the destination confirmed it, with a remote id
+    FAILED = "failed", _("failed")  # the destination confirmed it did not happen
+    UNKNOWN = "unknown", _("unknown")  # sent, but no reliable answer: reconcile before any new write
+    CANCELLED = "cancelled", _("cancelled")  # an operator or a cancelled job withdrew it
+
+    @property
+    def is_settled(self):
+        return self in (OutboxStatus.SUCCEEDED, OutboxStatus.FAILED, OutboxStatus.CANCELLED)
+
+
+class OutboxQuerySet(models.QuerySet):
+    def due(self):
+        """Rows the dispatcher should work on now."""
+        return self.filter(next_attempt_at__lte=Now())
+
+    def unknown(self):
+        return self.filter(status=OutboxStatus.UNKNOWN)
+
+
+class Outbox(models.Model):
+    """An action: an effect that leaves the system, written in its step's transaction."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="actions")
+    kind = models.CharField(_("kind"), max_length=100)  # the step name
+    destination = models.CharField(_("destination"), max_length=100)
+    operation = models.CharField(_("operation"), max_length=100)
+    payload = models.JSONField(_("values"), encoder=DjangoJSONEncoder)
+    params_hash = models.CharField(_("parameters hash"), max_length=64)
+    idempotency_key = models.CharField(_("idempotency key"), max_length=200, unique=True)
+    status = models.CharField(
+        _("status"),
+        max_length=max(len(v) for v in OutboxStatus.values),
+        choices=OutboxStatus.choices,
+        default=OutboxStatus.PENDING,
+    )
+    attempts = models.PositiveIntegerField(_("attempts"), default=0)
+    lookups = models.PositiveIntegerField(_("lookups"), default=0)
+    # NULL when the dispatcher has nothing to do (settled, or waiting for an operator).
+    next_attempt_at = models.DateTimeField(_("next attempt at"), null=True, blank=True)
+    lease_until = models.DateTimeField(_("lease until"), null=True, blank=True)
+    lease_owner = models.CharField(_("lease owner"), max_length=200, null=True, blank=True)
+    lease_token = models.BigIntegerField(_("lease token"), default=0)
+    sent_at = models.DateTimeField(_("sent at"), null=True, blank=True)
+    remote_id = models.CharField(_("remote id"), max_length=255, blank=True, default="")
+    response_summary = models.TextField(_("response summary"), blank=True, default="")
+    last_error = models.TextField(_("last error"), blank=True, default="")
+    # Bumped on every change: operator decisions are bound to the version they saw.
+    version = models.PositiveIntegerField(_("version"), default=1)
+    created = models.DateTimeField(_("created"), auto_now_add=True)
+    updated = models.DateTimeField(_("updated"), auto_now=True)
+
+    objects = OutboxQuerySet.as_manager()
+
+    class Meta:
+        verbose_name = _("action")
+        verbose_name_plural = _("actions")
+        constraints = [
+            models.UniqueConstraint(fields=["job", "kind"], name="durable_one_action_per_kind"),
+        ]
+        indexes = [
+            models.Index(
+                fields=["next_attempt_at"],
+                name="durable_outbox_due",
+                condition=Q(next_attempt_at__isnull=False),
+            ),
+            models.Index(fields=["status"], name="durable_outbox_status"),
+        ]
+        permissions = [("reconcile_action", "Can reconcile actions with unknown results")]
+
+    def __str__(self):
+        return f"{self.job_id}/{self.kind} → {self.destination} [{self.status}]"
+
+
+class ApprovalStatus(models.TextChoices):
+    REQUESTED = "requested", _("requested")  # waiting for a decision
+    APPROVED = "approved", _("approved")  # a person approved exactly this proposal
+    REJECTED = "rejected", _("rejected")  # a person refused it
+    EXPIRED = "expired", _("expired")  # nobody decided in time, or approval came too late
+    SUPERSEDED = "superseded", _("superseded")  # inputs or values changed; a new proposal replaced it
+
+
+class ApprovalQuerySet(models.QuerySet):
+    def pending(self):
+        return self.filter(status=ApprovalStatus.REQUESTED)
+
+
+class Approval(models.Model):
+    """A human decision bound to one proposal by its hash, with an expiry."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="approvals")
+    step = models.CharField(_("step"), max_length=100)
+    proposal = models.JSONField(_("proposal"), encoder=DjangoJSONEncoder)
+    proposal_hash = models.CharField(_("proposal hash"), max_length=64)
+    input_version = models.CharField(_("input version"), max_length=255, blank=True, default="")
+    summary = models.TextField(_("summary"), blank=True, default="")
+    status = models.CharField(
+        _("status"),
+        max_length=max(len(v) for v in ApprovalStatus.values),
+        choices=ApprovalStatus.choices,
+        default=ApprovalStatus.REQUESTED,
+    )
+    requested_at = models.DateTimeField(_("requested at"), auto_now_add=True)
+    expires_at = models.DateTimeField(_("expires at"))
+    decided_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        on_delete=models.SET_NULL,
+        null=True,
+        blank=True,
+        related_name="+",
+        verbose_name=_("decided by"),
+    )
+    decided_at = models.DateTimeField(_("decided at"), null=True, blank=True)
+    note = models.TextField(_("note"), blank=True, default="")
+
+    objects = ApprovalQuerySet.as_manager()
+
+    class Meta:
+        verbose_name = _("approval")
+        verbose_name_plural = _("approvals")
+        indexes = [models.Index(fields=["status", "requested_at"], name="durable_approval_queue")]
+        constraints = [
+            # At most one open request per job and step.
+            models.UniqueConstraint(
+                fields=["job", "step"],
+                condition=Q(status="requested"),
+                name="durable_one_open_approval",
+            ),
+        ]
+        permissions = [("approve_proposal", "Can approve or reject proposals")]
+
+    def __str__(self):
+        return f"{self.job_id}/{self.step} [{self.status}]"
+
+
+class Pause(models.Model):
+    """A paused workflow: workers do not claim its jobs until it is resumed."""
+
+    workflow = models.CharField(_("workflow"), max_length=100, primary_key=True)
+    paused_by = models.CharField(_("paused by"), max_length=150, blank=True, default="")
+    paused_at = models.DateTimeField(_("paused at"), auto_now_add=True)
+    reason = models.TextField(_("reason"), blank=True, default="")
+
+    class Meta:
+        verbose_name = _("paused workflow")
+        verbose_name_plural = _("paused workflows")
+
+    def __str__(self):
+        return f"{self.workflow} paused by {self.paused_by or 'unknown'}"
+
+
+class EventKind(models.TextChoices):
+    SUBMITTED = "submitted", _("submitted")  # the job was created
+    TRANSITION = "transition", _("transition")  # the state changed
+    CLAIMED = "claimed", _("claimed")  # a worker took the lease (the start of an attempt)
+    RECLAIMED = "reclaimed", _("reclaimed")  # a lease expired and another worker took over
+    STEP_DONE = "step_done", _("step done")  # a memo was written
+    RETRY = "retry", _("retry scheduled")  # a retryable failure, with the backoff chosen
+    FAILED = "failed", _("failed")  # the job went to a failed state
+    ACTION = "action", _("action")  # the outbox recorded an attempt or an outcome
+    APPROVAL = "approval", _("approval")  # a proposal was written or decided
+    OPERATOR = "operator", _("operator action")  # a person acted through the console or CLI
+
+
+class JobEvent(models.Model):
+    """Append-only history of every transition and operator action: the audit log."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="events")
+    at = models.DateTimeField(_("at"), auto_now_add=True)
+    kind = models.CharField(
+        _("kind"), max_length=max(len(v) for v in EventKind.values), choices=EventKind.choices
+    )
+    from_state = models.CharField(_("from"), max_length=100, blank=True, default="")
+    to_state = models.CharField(_("to"), max_length=100, blank=True, default="")
+    step = models.CharField(_("step"), max_length=100, blank=True, default="")
+    actor = models.CharField(_("who"), max_length=200, blank=True, default="")
+    message = models.TextField(_("why"), blank=True, default="")
+    data = models.JSONField(_("data"), null=True, blank=True, encoder=DjangoJSONEncoder)
+
+    class Meta:
+        verbose_name = _("job event")
+        verbose_name_plural = _("job events")
+        ordering = ["job", "id"]
+        indexes = [
+            models.Index(fields=["job", "id"], name="durable_event_timeline"),
+            models.Index(fields=["kind", "at"], name="durable_event_kind_at"),
+        ]
+
+    def __str__(self):
+        arrow = f" {self.from_state} → {self.to_state}" if self.to_state else ""
+        return f"{self.job_id} {self.kind}{arrow}"

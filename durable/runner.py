@@ -1,0 +1,384 @@
+"""Run one claimed job: memo first, execute, commit memo and state advance together.
+
+A worker that finishes a step continues the same job under its lease instead of
+releasing and re-claiming it. Every write here is fenced by the lease token.
+"""
+
+import datetime
+import json
+import logging
+import time
+from decimal import Decimal
+
+from django.core.serializers.json import DjangoJSONEncoder
+from django.db import transaction
+from django.db.models.functions import Now
+
+from . import faults, locking
+from .conf import durable_settings
+from .exceptions import UnknownWorkflow
+from .models import EventKind, Job, JobEvent, StepResult
+from .retry import backoff, classify, describe, scrub
+from .signals import job_finished, step_finished, step_started
+from .states import StateKind
+from .workflows import Action, Context, NeedsHuman, Output, Wait, registry
+
+logger = logging.getLogger("durable.worker")
+
+
+class Started:
+    """A claimed job with the step this worker is about to run."""
+
+    __slots__ = ("claimed", "workflow", "table", "step", "states", "attempt", "memos")
+
+    def __init__(self, claimed, workflow, step, states, attempt):
+        self.claimed = claimed
+        self.workflow = workflow
+        self.table = workflow.table
+        self.step = step
+        self.states = states
+        self.attempt = attempt
+        self.memos = None
+
+
+class Runner:
+    """Executes steps of claimed jobs for one worker process."""
+
+    def __init__(self, owner, heartbeat=None, lease_seconds=None):
+        self.owner = owner
+        self.heartbeat = heartbeat
+        self.lease_seconds = lease_seconds or durable_settings.LEASE_SECONDS
+        self.stopping = False
+
+    # Claiming and starting -------------------------------------------------------
+
+    def claim(self, workflows=None, queues=None):
+        """Claim a due job and start its next step, in one transaction (one commit)."""
+        with transaction.atomic():
+            claimed = locking.claim_job(self.owner, self.lease_seconds, workflows, queues)
+            if claimed is None:
+                return None
+            started = self._start(claimed)
+        faults.point("after_claim")
+        return started
+
+    def _start(self, claimed):
+        try:
+            workflow = registry.get(claimed.workflow)
+        except UnknownWorkflow as exc:
+            self._park(claimed, f"{exc}. The job is parked; redeploy the workflow, then retry it.")
+            return None
+        table = workflow.table
+        kind = table.kinds.get(claimed.state)
+        token = claimed.lease_token
+        if kind in (StateKind.INITIAL, StateKind.READY):
+            states = table.step_starting_at(claimed.state)
+            step = workflow.steps_by_name[states.step]
+            attempt = claimed.attempts + 1
+            ok = locking.transition(
+                claimed, states.working, token=token, actor=self.owner, step=step.name,
+                kind=EventKind.CLAIMED, message=f"attempt {attempt}", table=table,
+                fields={"attempts": attempt},
+            )
+        elif kind == StateKind.TIMER:
+            states = table.step_of(claimed.state)
+            step = workflow.steps_by_name[states.step]
+            attempt = max(claimed.attempts, 1)
+            ok = locking.transition(
+                claimed, states.working, token=token, actor=self.owner, step=step.name,
+                kind=EventKind.CLAIMED, message="timer fired", table=table,
+                fields={"attempts": attempt},
+            )
+        elif kind == StateKind.WORKING:
+            # The previous holder's lease expired mid-step: it died, stalled or was
+            # partitioned. Its writes are fenced out; this run is a new attempt.
+            states = table.step_of(claimed.state)
+            step = workflow.steps_by_name[states.step]
+            attempt = claimed.attempts + 1
+            max_attempts = step.retry.resolved()[0]
+            message = f"lease of {claimed.previous_owner or 'a worker'} expired; attempt {attempt}"
+            if attempt > max_attempts:
+                error = f"Worker lost {claimed.attempts} times while running {step.name} (lease expired)"
+                self._fail(claimed, table, states, attempt - 1, error, kind=EventKind.FAILED)
+                return None
+            Job.objects.filter(pk=claimed.id, lease_token=token).update(attempts=attempt)
+            JobEvent.objects.create(
+                job_id=claimed.id, kind=EventKind.RECLAIMED, step=step.name, actor=self.owner,
+                from_state=claimed.state, to_state=claimed.state, message=message,
+            )
+            ok = True
+        else:
+            # Not a state workers run (a human, the dispatcher or nobody owns it):
+            # take it out of the claim index rather than spin on it.
+            Job.objects.filter(pk=claimed.id, lease_token=token).update(
+                next_run_at=None, lease_until=None, lease_owner=None
+            )
+            return None
+        if not ok:
+            return None
+        claimed.state = states.working
+        claimed.attempts = attempt
+        return Started(claimed, workflow, step, states, attempt)
+
+    def _park(self, claimed, message):
+        Job.objects.filter(pk=claimed.id, lease_token=claimed.lease_token).update(
+            next_run_at=None, lease_until=None, lease_owner=None, last_error=scrub(message)
+        )
+        JobEvent.objects.create(
+            job_id=claimed.id, kind=EventKind.FAILED, actor=self.owner, message=scrub(message),
+            from_state=claimed.state, to_state=claimed.state,
+        )
+        logger.error("%s job=%s parked: %s", self.owner, claimed.id, message)
+
+    # Running -----------------------------------------------------------------------
+
+    def run(self, started):
+        """Run steps of one job until it leaves this worker (done, waiting, failed, lost)."""
+        while started is not None:
+            started = self.run_step(started)
+
+    def _load_memos(self, job_id):
+        return dict(StepResult.objects.filter(job_id=job_id).values_list("step", "output"))
+
+    def run_step(self, started):
+        claimed, step, states = started.claimed, started.step, started.states
+        if started.memos is None:
+            started.memos = self._load_memos(claimed.id)
+        memos = started.memos
+        data = self._input_for(started)
+        if step.name in memos:
+            # Memo first: this step committed before (the job was sent back past it).
+            logger.info("%s job=%s step=%s memo found, not re-run", self.owner, claimed.id, step.name)
+            return self._complete(started, memos[step.name], Decimal(0), datetime.timedelta(0),
+                                  write_memo=False)
+        ctx = Context(
+            job_id=claimed.id, workflow=started.workflow.name, step=step.name,
+            attempt=started.attempt, payload=claimed.payload, memos=memos,
+            db_now=claimed.db_now, wake_at=claimed.wake_at,
+        )
+        if step_started.has_listeners():
+            step_started.send(started.workflow.name, job_id=claimed.id, step=step.name,
+                              attempt=started.attempt, worker=self.owner)
+        faults.point("before_step")
+        began = time.monotonic()
+        if self.heartbeat is not None:
+            self.heartbeat.watch(started, step.effective_timeout, self.on_timeout)
+        try:
+            returned = started.workflow.run_step(step, data, ctx)
+        except NeedsHuman as signal_:
+            return self._needs_human(started, signal_.reason)
+        except Wait as signal_:
+            return self._wait(started, signal_)
+        except Exception as exc:  # noqa: BLE001 - every failure is classified below
+            return self._failed(started, exc, time.monotonic() - began)
+        finally:
+            if self.heartbeat is not None:
+                self.heartbeat.unwatch()
+        duration = datetime.timedelta(seconds=time.monotonic() - began)
+        faults.point("after_step_before_commit")
+        cost = ctx.cost_total
+        if isinstance(returned, Output):
+            cost += Decimal(str(returned.cost))
+            returned = returned.value
+        if isinstance(returned, Action):
+            return self._action(started, returned, ctx, cost, duration)
+        try:
+            output = json.loads(json.dumps(returned, cls=DjangoJSONEncoder))
+        except (TypeError, ValueError) as exc:
+            return self._failed(started, TypeError(f"step output is not JSON-serialisable: {exc}"), 0)
+        return self._complete(started, output, cost, duration)
+
+    def _input_for(self, started):
+        index = started.workflow.steps.index(started.step)
+        if index == 0:
+            return started.claimed.payload
+        return started.memos.get(started.workflow.steps[index - 1].name)
+
+    # Committing ----------------------------------------------------------------------
+
+    def _complete(self, started, output, cost, duration, write_memo=True):
+        """Write the memo and advance the state in one transaction; maybe continue."""
+        claimed, step, states, table = started.claimed, started.step, started.states, started.table
+        token = claimed.lease_token
+        nxt = table.step_starting_at(states.done)
+        terminal = table.is_terminal(states.done)
+        keep_going = nxt is not None and not self.stopping
+        path = [states.done, nxt.working] if keep_going else [states.done]
+        if keep_going:
+            until = locking.now_plus(self.lease_seconds)
+            fields = {"attempts": 1, "lease_until": until, "next_run_at": until, "wake_at": None,
+                      "last_error": ""}
+        else:
+            fields = {"attempts": 0, "lease_until": None, "lease_owner": None, "wake_at": None,
+                      "next_run_at": None if terminal else Now(), "last_error": ""}
+        if terminal:
+            fields["result"] = output
+        if terminal:
+            faults.point("before_final_transition")
+        with transaction.atomic():
+            ok = locking.transition(
+                claimed, path, token=token, actor=self.owner, step=step.name, table=table,
+                kind=EventKind.STEP_DONE, fields=fields,
+                data={"attempt": started.attempt, "cost": str(cost),
+                      "ms": round(duration.total_seconds() * 1000, 3)},
+            )
+            if not ok:
+                self._lost(started)
+                return None
+            if write_memo:
+                StepResult.objects.create(
+                    job_id=claimed.id, step=step.name, output=output, cost=cost,
+                    duration=duration, attempt=started.attempt, workflow=started.workflow.name,
+                )
+        faults.point("after_final_transition" if terminal else "after_commit")
+        started.memos[step.name] = output
+        logger.info(
+            "%s job=%s step=%s attempt=%d done in %.1fms cost=%s -> %s",
+            self.owner, claimed.id, step.name, started.attempt,
+            duration.total_seconds() * 1000, cost, claimed.state,
+        )
+        self._signal_finished(started, "done")
+        if terminal and job_finished.has_listeners():
+            job_finished.send(started.workflow.name, job_id=claimed.id, state=claimed.state)
+        if not keep_going:
+            return None
+        started.step = started.workflow.steps_by_name[nxt.step]
+        started.states = nxt
+        started.attempt = 1
+        claimed.attempts = 1
+        claimed.wake_at = None
+        return started
+
+    def _action(self, started, action, ctx, cost, duration):
+        """Hand an action to the outbox (see durable.dispatch) in the completing transaction."""
+        from .dispatch import enqueue_action
+
+        return enqueue_action(self, started, action, ctx, cost, duration)
+
+    def _needs_human(self, started, reason):
+        states = started.states
+        if states.human is None:
+            return self._failed(
+                started,
+                TypeError(f"step {started.step.name} raised NeedsHuman but is not declared "
+                          f"with needs_human=True: {reason}"),
+                0,
+            )
+        return self._park_step(started, states.human, scrub(reason), "needs_human",
+                               EventKind.TRANSITION)
+
+    def _wait(self, started, signal_):
+        states = started.states
+        if states.timer is None:
+            return self._failed(
+                started,
+                TypeError(f"step {started.step.name} waited but is not declared with waits=True"),
+                0,
+            )
+        until = signal_.until
+        if until is None:
+            until = started.claimed.db_now + datetime.timedelta(seconds=float(signal_.seconds))
+        with transaction.atomic():
+            ok = locking.transition(
+                started.claimed, states.timer, token=started.claimed.lease_token,
+                actor=self.owner, step=started.step.name, table=started.table,
+                message=f"waiting until {until.isoformat()}",
+                fields={"next_run_at": until, "wake_at": until, "lease_until": None,
+                        "lease_owner": None},
+            )
+        if not ok:
+            self._lost(started)
+            return None
+        logger.info("%s job=%s step=%s waiting until %s", self.owner, started.claimed.id,
+                    started.step.name, until.isoformat())
+        self._signal_finished(started, "waiting")
+        return None
+
+    def _failed(self, started, exc, elapsed):
+        decision = classify(exc, started.step.retry)
+        error = describe(exc)
+        max_attempts, base, cap = started.step.retry.resolved()
+        if decision.retryable and started.attempt < max_attempts:
+            delay = decision.retry_after
+            if delay is None:
+                delay = backoff(started.attempt - 1, base, cap)
+            return self._retry(started, error, delay, decision.reason)
+        why = "poison" if not decision.retryable else f"gave up after {started.attempt} attempts"
+        self._fail(started.claimed, started.table, started.states, started.attempt,
+                   f"{error} ({why})", actor=self.owner)
+        self._signal_finished(started, "failed")
+        return None
+
+    def _retry(self, started, error, delay, reason):
+        claimed, states = started.claimed, started.states
+        with transaction.atomic():
+            ok = locking.transition(
+                claimed, states.before, token=claimed.lease_token, actor=self.owner,
+                step=started.step.name, table=started.table, kind=EventKind.RETRY,
+                message=error, data={"attempt": started.attempt, "delay": round(delay, 3),
+                                     "reason": reason},
+                fields={"next_run_at": locking.now_plus(delay), "lease_until": None,
+                        "lease_owner": None, "last_error": error},
+            )
+        if not ok:
+            self._lost(started)
+            return None
+        faults.point("during_backoff")
+        logger.warning("%s job=%s step=%s attempt=%d retry in %.2fs: %s", self.owner, claimed.id,
+                       started.step.name, started.attempt, delay, error)
+        self._signal_finished(started, "retry")
+        return None
+
+    def _fail(self, claimed, table, states, attempt, error, actor=None, kind=EventKind.FAILED):
+        error = scrub(error)
+        with transaction.atomic():
+            ok = locking.transition(
+                claimed, states.failure, token=claimed.lease_token, actor=actor or self.owner,
+                step=states.step, table=table, kind=kind, message=error,
+                data={"attempt": attempt},
+                fields={"next_run_at": None, "lease_until": None, "lease_owner": None,
+                        "last_error": error},
+            )
+        if ok:
+            logger.error("%s job=%s step=%s failed -> %s: %s", actor or self.owner, claimed.id,
+                         states.step, states.failure, error)
+        return ok
+
+    def _park_step(self, started, state, message, outcome, kind):
+        claimed = started.claimed
+        with transaction.atomic():
+            ok = locking.transition(
+                claimed, state, token=claimed.lease_token, actor=self.owner,
+                step=started.step.name, table=started.table, kind=kind, message=message,
+                fields={"next_run_at": None, "lease_until": None, "lease_owner": None,
+                        "last_error": message},
+            )
+        if not ok:
+            self._lost(started)
+            return None
+        logger.info("%s job=%s step=%s -> %s: %s", self.owner, claimed.id, started.step.name,
+                    state, message)
+        self._signal_finished(started, outcome)
+        return None
+
+    def _lost(self, started):
+        logger.warning(
+            "%s job=%s step=%s: lease lost or job moved (cancelled?); result discarded",
+            self.owner, started.claimed.id, started.step.name,
+        )
+
+    def _signal_finished(self, started, outcome):
+        if step_finished.has_listeners():
+            step_finished.send(started.workflow.name, job_id=started.claimed.id,
+                               step=started.step.name, outcome=outcome,
+                               state=started.claimed.state, worker=self.owner)
+
+    # Timeouts (called from the heartbeat thread) ---------------------------------------
+
+    def on_timeout(self, started, elapsed):
+        """Record a step past its timeout as a retryable failure; the caller then exits."""
+        from .exceptions import StepTimeout
+
+        exc = StepTimeout(f"step {started.step.name} ran {elapsed:.1f}s, past its timeout of "
+                          f"{started.step.effective_timeout}s")
+        self._failed(started, exc, elapsed)

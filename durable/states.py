@@ -1,0 +1,274 @@
+"""State kinds and the transition table: derivation from steps, validation, rendering.
+
+A workflow's states are plain strings ("fetching", "failed_fetch"); what the engine
+needs to know about each one is its kind. The table is a constant checked on every
+write (see ``locking.transition``).
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from django.core.exceptions import ImproperlyConfigured
+from django.db import models
+
+INITIAL = "pending"
+CANCELLED = "cancelled"
+NEEDS_HUMAN = "needs_human"
+
+
+class StateKind(models.TextChoices):
+    INITIAL = "initial", "submitted, not started"  # first state of every job
+    READY = "ready", "between steps"  # a step finished; the next one may start
+    WORKING = "working", "running a step"  # a worker holds (or held) the lease
+    TIMER = "timer", "waiting for a time"  # a durable timer: claimable at next_run_at
+    APPROVAL = "approval", "awaiting approval"  # a proposal waits for a human decision
+    IN_FLIGHT = "in_flight", "action in flight"  # the outbox dispatcher owns the next move
+    UNKNOWN = "unknown", "action result unknown"  # reconciliation decides what happened
+    HUMAN = "human", "needs a human"  # parked until an operator sends it back
+    FAILED = "failed", "failed"  # parked until an operator requeues it
+    TERMINAL = "terminal", "finished"  # no way out
+
+    @property
+    def is_claimable(self):
+        """Whether a job worker may pick a job up in this kind of state."""
+        return self in CLAIMABLE_KINDS
+
+    @property
+    def is_waiting_for_operator(self):
+        return self in (StateKind.APPROVAL, StateKind.UNKNOWN, StateKind.HUMAN, StateKind.FAILED)
+
+
+CLAIMABLE_KINDS = frozenset({StateKind.INITIAL, StateKind.READY, StateKind.WORKING, StateKind.TIMER})
+
+
+@dataclass(frozen=True)
+class StepStates:
+    """The states one step moves through, as the runner needs them."""
+
+    step: str
+    before: str  # the state a job is in when this step may start (the retry target)
+    working: str
+    done: str
+    failure: str  # failed_<step>, or needs_human for steps that route failures to a person
+    human: str | None = None
+    timer: str | None = None
+    approval: str | None = None
+    in_flight: str | None = None
+    unknown: str | None = None
+
+
+@dataclass
+class TransitionTable:
+    """Edges between states, the kind of each state, and each step's states."""
+
+    edges: dict[str, tuple[str, ...]]
+    kinds: dict[str, StateKind]
+    steps: list[StepStates] = field(default_factory=list)
+    initial: str = INITIAL
+
+    def allows(self, frm, to):
+        """Whether ``frm -> to`` is an edge; cancelling is allowed from any non-terminal state."""
+        if to == CANCELLED and CANCELLED in self.kinds:
+            return self.kinds.get(frm) not in (StateKind.TERMINAL, None)
+        return to in self.edges.get(frm, ())
+
+    def kind(self, state):
+        try:
+            return self.kinds[state]
+        except KeyError:
+            raise KeyError(f"state {state!r} is not in this workflow's table") from None
+
+    def is_terminal(self, state):
+        return self.kinds.get(state) == StateKind.TERMINAL
+
+    def terminal_states(self):
+        return [s for s, k in self.kinds.items() if k == StateKind.TERMINAL]
+
+    def states_of_kind(self, *kinds):
+        return [s for s, k in self.kinds.items() if k in kinds]
+
+    def step_starting_at(self, state):
+        """The step that runs next from a ready/initial state, or None at the end."""
+        for s in self.steps:
+            if s.before == state:
+                return s
+        return None
+
+    def step_of(self, state):
+        """The step a working, waiting or failed state belongs to."""
+        for s in self.steps:
+            if state in (s.working, s.timer, s.approval, s.in_flight, s.unknown) or (
+                state == s.failure and state != s.human
+            ):
+                return s
+        return None
+
+    def validate(self, name="workflow"):
+        """Raise ImproperlyConfigured naming the first bad edge or state."""
+
+        def bad(msg):
+            raise ImproperlyConfigured(f"Workflow {name!r}: {msg}")
+
+        if self.initial not in self.edges:
+            bad(f"the initial state {self.initial!r} is not declared")
+        for frm, targets in self.edges.items():
+            if frm not in self.kinds:
+                bad(f"state {frm!r} has no kind")
+            for to in targets:
+                if to not in self.edges:
+                    bad(f"edge {frm} -> {to} points to an undeclared state {to!r}")
+        for st in self.steps:
+            need = [(st.before, st.working), (st.working, st.done), (st.working, st.failure)]
+            if st.failure != st.human:
+                need.append((st.failure, st.before))
+            for frm, to in need:
+                if to not in self.edges.get(frm, ()):
+                    bad(f"step {st.step!r} needs the edge {frm} -> {to}")
+            if st.before not in self.edges.get(st.working, ()):
+                bad(
+                    f"working state {st.working!r} has no retry edge back to {st.before!r}"
+                )
+        for state, kind in self.kinds.items():
+            targets = self.edges.get(state, ())
+            if kind == StateKind.TERMINAL and targets:
+                bad(f"terminal state {state!r} has outgoing edges {', '.join(targets)}")
+            if kind != StateKind.TERMINAL and not targets:
+                bad(f"state {state!r} has no way out and is not terminal")
+            if kind == StateKind.FAILED and not targets:
+                bad(f"failed state {state!r} has no requeue edge")
+        seen, todo = {self.initial}, deque([self.initial])
+        while todo:
+            for to in self.edges.get(todo.popleft(), ()):
+                if to not in seen:
+                    seen.add(to)
+                    todo.append(to)
+        unreachable = [s for s in self.edges if s not in seen and s != CANCELLED]
+        if unreachable:
+            bad(f"state {unreachable[0]!r} is unreachable from {self.initial!r}")
+        return self
+
+    def render(self):
+        """The table as text, one state a line, in the style of DESIGN.md."""
+        width = max(len(s) for s in self.edges)
+        lines = []
+        for state, targets in self.edges.items():
+            kind = self.kinds[state]
+            right = ", ".join(targets) if targets else f"({kind.label})"
+            notes = []
+            for st in self.steps:
+                if state == st.working and st.before in targets:
+                    notes.append(f"-> {st.before} = retry")
+                if state == st.failure and st.failure != st.human:
+                    notes.append("an operator requeues")
+            note = f"    ({'; '.join(notes)})" if notes else ""
+            lines.append(f"{state.ljust(width)} -> {right}{note}")
+        if CANCELLED in self.kinds:
+            lines.append(f"{'*'.ljust(width)} -> {CANCELLED}    (operator cancel, any non-terminal state)")
+        return "\n".join(lines)
+
+
+def derive(steps):
+    """Build the table for ordered steps (each a ``durable.workflows.Step``)."""
+    edges: dict[str, list[str]] = {INITIAL: []}
+    kinds = {INITIAL: StateKind.INITIAL}
+    human_returns: list[str] = []
+    step_states = []
+
+    def add(frm, *tos):
+        lst = edges.setdefault(frm, [])
+        for to in tos:
+            if to not in lst:
+                lst.append(to)
+
+    before = INITIAL
+    for index, st in enumerate(steps):
+        last = index == len(steps) - 1
+        failure = NEEDS_HUMAN if st.needs_human and st.on_failure == "needs_human" else f"failed_{st.name}"
+        states = StepStates(
+            step=st.name,
+            before=before,
+            working=st.working,
+            done=st.done,
+            failure=failure,
+            human=NEEDS_HUMAN if st.needs_human else None,
+            timer=f"waiting_{st.name}" if st.waits else None,
+            approval=f"awaiting_approval_{st.name}" if st.approval else None,
+            in_flight=f"in_flight_{st.name}" if st.action else None,
+            unknown=f"unknown_{st.name}" if st.action else None,
+        )
+        step_states.append(states)
+        add(before, st.working)
+        kinds[st.working] = StateKind.WORKING
+        outs = []
+        if states.approval:
+            outs.append(states.approval)
+        if states.in_flight:
+            outs.append(states.in_flight)
+        if not st.action:
+            outs.append(st.done)
+        if states.timer:
+            outs.append(states.timer)
+        outs.append(failure)
+        if st.needs_human and failure != NEEDS_HUMAN:
+            outs.append(NEEDS_HUMAN)
+        outs.append(before)  # the retry edge
+        add(st.working, *outs)
+        if states.timer:
+            add(states.timer, st.working)
+            kinds[states.timer] = StateKind.TIMER
+        if states.approval:
+            # approved -> dispatch; superseded -> prepare again from current inputs;
+            # rejected -> where the step says (cancelled by default, or needs_human).
+            add(states.approval, states.in_flight, before, st.on_reject)
+            kinds[states.approval] = StateKind.APPROVAL
+        if states.in_flight:
+            add(states.in_flight, st.done, failure, states.unknown, before)
+            add(states.unknown, st.done, states.in_flight, failure)
+            kinds[states.in_flight] = StateKind.IN_FLIGHT
+            kinds[states.unknown] = StateKind.UNKNOWN
+        if failure != NEEDS_HUMAN:
+            add(failure, before)  # the requeue edge
+            kinds[failure] = StateKind.FAILED
+        if st.needs_human:
+            human_returns.append(before)
+        kinds[st.done] = StateKind.TERMINAL if last else StateKind.READY
+        edges.setdefault(st.done, [])
+        if not last:
+            before = st.done
+    if human_returns or any(s.approval and s.on_reject == NEEDS_HUMAN for s in steps):
+        add(NEEDS_HUMAN, *human_returns, CANCELLED)
+        kinds[NEEDS_HUMAN] = StateKind.HUMAN
+    edges[INITIAL].append(CANCELLED)
+    edges.setdefault(CANCELLED, [])
+    kinds[CANCELLED] = StateKind.TERMINAL
+    ordered = _design_order(edges, step_states)
+    return TransitionTable(
+        edges={s: tuple(edges[s]) for s in ordered}, kinds=kinds, steps=step_states
+    )
+
+
+def _design_order(edges, step_states):
+    """Order states as a reader expects: the happy path, then waiting, human, failed, terminal."""
+    order = [INITIAL]
+    for st in step_states:
+        for s in (st.working, st.timer, st.approval, st.in_flight, st.unknown, st.done):
+            if s and s not in order:
+                order.append(s)
+    tail_first = [s for s in edges if s not in order and s == NEEDS_HUMAN]
+    failed = [s for s in edges if s.startswith("failed_") and s not in order]
+    rest = [s for s in edges if s not in order and s not in tail_first and s not in failed]
+    return order + tail_first + failed + rest
+
+
+def from_declared(declared, steps):
+    """Build a table from a hand-written ``{state: [targets]}`` constant and the steps."""
+    derived = derive(steps)
+    edges = {state: tuple(targets) for state, targets in declared.items()}
+    kinds = {}
+    for state, targets in edges.items():
+        kind = derived.kinds.get(state)
+        if kind is None:
+            kind = StateKind.TERMINAL if not targets else StateKind.READY
+        kinds[state] = kind
+    table = TransitionTable(edges=edges, kinds=kinds, steps=derived.steps)
+    return table

@@ -1,0 +1,156 @@
+"""The supervisor behind ``manage.py runworkers``: N worker processes, kept alive.
+
+Children are forked (so they share the parent's loaded code) after the parent closed
+its database connections: a connection must never be shared across a fork. A child
+that dies is replaced; a child that exits after a step timeout is replaced at once.
+"""
+
+import logging
+import multiprocessing
+import os
+import signal
+import time
+
+from django.db import connections
+
+from .conf import durable_settings
+
+logger = logging.getLogger("durable.supervisor")
+
+
+def _mp_context():
+    methods = multiprocessing.get_all_start_methods()
+    return multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+
+
+def _run_role(role, index, options):
+    """Entry point of a child process."""
+    # Children start with default signal dispositions; the parent's handlers would
+    # otherwise run here and forward signals to nobody.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    import django
+
+    if not django.apps.apps.ready:  # spawn start method
+        django.setup()
+    from .worker import Worker, worker_id
+
+    runner = ROLES[role]
+    if runner is None:
+        options = dict(options)
+        worker = Worker(name=worker_id(role, index), **options)
+    else:
+        worker = runner(name=worker_id(role, index), **options)
+    worker.install_signal_handlers()
+    worker.run()
+
+
+# role -> factory(name=..., **options) of an object with run()/stop()/install_signal_handlers();
+# None means the job Worker. Other modules add roles (the outbox dispatcher).
+ROLES = {"worker": None}
+
+
+class Supervisor:
+    """Starts and watches child processes; drains them on SIGTERM/SIGINT."""
+
+    def __init__(self, *, processes=None, burst=False, workflows=None, queues=None,
+                 lease_seconds=None, roles=None, grace=None):
+        self.processes = processes or durable_settings.PROCESSES or os.cpu_count() or 1
+        self.burst = burst
+        self.grace = durable_settings.SHUTDOWN_GRACE if grace is None else grace
+        worker_options = {"workflows": workflows, "queues": queues, "burst": burst,
+                          "lease_seconds": lease_seconds}
+        # [(role, count, options)]
+        self.roles = roles if roles is not None else [("worker", self.processes, worker_options)]
+        self.children = {}  # slot -> Process
+        self._stopping = False
+        self._signals = 0
+        self._ctx = _mp_context()
+        self._restarts = {}
+
+    def stop(self):
+        """Ask every child to drain; idempotent."""
+        if self._stopping:
+            return
+        self._stopping = True
+        for proc in list(self.children.values()):
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGTERM)
+
+    def _on_signal(self, signum, frame):
+        self._signals += 1
+        if self._signals == 1:
+            logger.info("supervisor received %s: draining %d children (grace %ss)",
+                        signal.strsignal(signum), len(self.children), self.grace)
+            self.stop()
+        else:
+            logger.warning("supervisor received %s again: killing children",
+                           signal.strsignal(signum))
+            self._kill_all()
+
+    def _kill_all(self):
+        for proc in list(self.children.values()):
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGKILL)
+
+    def _spawn(self, slot):
+        role, index, options = slot
+        connections.close_all()
+        proc = self._ctx.Process(target=_run_role, args=(role, index, options),
+                                 name=f"durable-{role}{index}")
+        proc.start()
+        self.children[slot] = proc
+        logger.info("started %s%d pid=%d", role, index, proc.pid)
+
+    def run(self):
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        slots = []
+        for role, count, options in self.roles:
+            for index in range(count):
+                slot = (role, index, _freeze(options))
+                slots.append(slot)
+                self._spawn(slot)
+        deadline = None
+        while self.children:
+            time.sleep(0.1)
+            if self._stopping and deadline is None:
+                deadline = time.monotonic() + self.grace
+            if deadline is not None and time.monotonic() > deadline:
+                logger.warning("grace period over: killing remaining children")
+                self._kill_all()
+                deadline = float("inf")
+            for slot, proc in list(self.children.items()):
+                if proc.is_alive():
+                    continue
+                proc.join()
+                del self.children[slot]
+                code = proc.exitcode
+                if self._stopping or (self.burst and code == 0):
+                    continue
+                self._restart(slot, code)
+        logger.info("supervisor exiting")
+        return 0
+
+    def _restart(self, slot, code):
+        from .worker import EXIT_STEP_TIMEOUT
+
+        role, index, _ = slot
+        why = "after a step timeout" if code == EXIT_STEP_TIMEOUT else f"exit code {code}"
+        # Back off a child that keeps crashing so a broken deploy does not spin.
+        last, count = self._restarts.get(slot, (0.0, 0))
+        count = count + 1 if time.monotonic() - last < 10 else 0
+        self._restarts[slot] = (time.monotonic(), count)
+        if count > 2:
+            time.sleep(min(5.0, 0.5 * count))
+        logger.warning("%s%d died (%s); starting a replacement", role, index, why)
+        self._spawn(slot)
+
+
+class _Frozen(dict):
+    def __hash__(self):
+        return hash(tuple(sorted((k, repr(v)) for k, v in self.items())))
+
+
+def _freeze(options):
+    return _Frozen(options)

@@ -1,0 +1,250 @@
+"""The worker process: claim, run, repeat; renew leases; enforce step timeouts.
+
+``Worker.run()`` is the loop of one process; ``stop()`` is idempotent. The first
+SIGTERM (or SIGINT) drains: no new claims, the current step finishes and its job is
+released. The second exits at once, which is as safe as a crash: leases expire.
+"""
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+
+from django.db import close_old_connections, connection, connections
+from django.db.utils import DatabaseError, InterfaceError
+
+from . import faults, locking
+from .conf import durable_settings
+from .runner import Runner
+
+logger = logging.getLogger("durable.worker")
+
+# Exit status of a process that abandoned a step past its timeout: the supervisor
+# replaces it, because the step's thread cannot be stopped from inside Python.
+EXIT_STEP_TIMEOUT = 75
+
+
+def worker_id(role="worker", index=0):
+    return f"{socket.gethostname()}:{os.getpid()}:{role}{index}"
+
+
+class Heartbeat(threading.Thread):
+    """Renews the current job's lease while a step runs, and enforces its timeout.
+
+    One thread per process (not per step), so short steps cost nothing: it only
+    touches the database once a third of the lease has passed.
+    """
+
+    def __init__(self, lease_seconds, tick=0.2):
+        super().__init__(name="durable-heartbeat", daemon=True)
+        self.lease_seconds = lease_seconds
+        self.tick = tick
+        self._lock = threading.Lock()
+        self._current = None
+        self._stop_event = threading.Event()
+
+    def watch(self, started, timeout, on_timeout):
+        now = time.monotonic()
+        with self._lock:
+            self._current = (started, now, timeout, on_timeout, [now])
+
+    def unwatch(self):
+        with self._lock:
+            self._current = None
+
+    def stop(self):
+        self._stop_event.set()
+
+    def run(self):
+        try:
+            while not self._stop_event.wait(self.tick):
+                with self._lock:
+                    current = self._current
+                if current is not None:
+                    self._beat(*current)
+        finally:
+            connection.close()
+
+    def _beat(self, started, began, timeout, on_timeout, renewed):
+        now = time.monotonic()
+        elapsed = now - began
+        if timeout and elapsed > timeout:
+            with self._lock:
+                if self._current is None or self._current[0] is not started:
+                    return  # the step finished meanwhile
+            logger.error("job=%s step=%s timed out after %.1fs; replacing this process",
+                         started.claimed.id, started.step.name, elapsed)
+            try:
+                on_timeout(started, elapsed)
+            finally:
+                logging.shutdown()
+                os._exit(EXIT_STEP_TIMEOUT)
+        if now - renewed[0] >= self.lease_seconds / 3:
+            try:
+                ok = locking.renew_lease(started.claimed.id, started.claimed.lease_token,
+                                         self.lease_seconds)
+            except DatabaseError as exc:
+                logger.warning("lease renewal failed (will retry): %s", exc)
+                connection.close()
+                return
+            renewed[0] = now
+            if not ok:
+                logger.warning("job=%s lease lost while step %s runs; its result will be discarded",
+                               started.claimed.id, started.step.name)
+
+
+class Waiter:
+    """Sleeps an idle worker until new work may exist, as cheaply as the database allows."""
+
+    def __init__(self, poll_interval):
+        self.poll_interval = poll_interval
+        self._listen = None
+
+    def _listen_connection(self):
+        if self._listen is None:
+            import psycopg
+
+            url = durable_settings.LISTEN_DATABASE_URL
+            if url:
+                conn = psycopg.connect(url, autocommit=True)
+            else:
+                params = connection.get_connection_params()
+                params.pop("cursor_factory", None)
+                params.pop("context", None)
+                params.pop("prepare_threshold", None)
+                conn = psycopg.connect(**params, autocommit=True)
+            # A connection of its own: LISTEN does not survive PgBouncer's
+            # transaction pooling, and must not share the ORM's transactions.
+            conn.execute("LISTEN durable_jobs")
+            self._listen = conn
+        return self._listen
+
+    def wait(self, stopping):
+        """Return after new work was signalled, something became due, or the poll interval."""
+        timeout = self.poll_interval
+        due = locking.next_due()
+        if due is not None:
+            timeout = max(0.0, min(timeout, (due - locking.db_now()).total_seconds()))
+        if timeout <= 0:
+            return
+        if connection.vendor == "postgresql" and durable_settings.LISTEN:
+            try:
+                conn = self._listen_connection()
+                for _ in conn.notifies(timeout=timeout, stop_after=1):
+                    pass
+                return
+            except Exception as exc:  # noqa: BLE001 - fall back to polling, never die here
+                logger.warning("LISTEN failed, polling instead: %s", exc)
+                self.close()
+        if connection.vendor == "sqlite":
+            self._wait_sqlite(timeout, stopping)
+        else:
+            self._sleep(timeout, stopping)
+
+    def _wait_sqlite(self, timeout, stopping):
+        # PRAGMA data_version changes when another connection commits: polling it is a
+        # cheap in-memory read, so idle workers notice a submit within milliseconds.
+        step = durable_settings.SQLITE_WAKE_INTERVAL
+        deadline = time.monotonic() + timeout
+        with connection.cursor() as cursor:
+            seen = locking.sqlite_data_version(cursor)
+            while time.monotonic() < deadline and not stopping():
+                time.sleep(step)
+                if locking.sqlite_data_version(cursor) != seen:
+                    return
+
+    def _sleep(self, timeout, stopping):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not stopping():
+            time.sleep(min(0.05, deadline - time.monotonic()))
+
+    def close(self):
+        if self._listen is not None:
+            try:
+                self._listen.close()
+            except Exception:  # noqa: BLE001
+                pass
+            self._listen = None
+
+
+class Worker:
+    """One worker process's loop."""
+
+    def __init__(self, *, name=None, workflows=None, queues=None, burst=False,
+                 lease_seconds=None, poll_interval=None):
+        self.name = name or worker_id()
+        self.workflows = workflows or None
+        self.queues = queues or None
+        self.burst = burst
+        self.lease_seconds = lease_seconds or durable_settings.LEASE_SECONDS
+        self.heartbeat = Heartbeat(self.lease_seconds)
+        self.runner = Runner(self.name, self.heartbeat, self.lease_seconds)
+        self.waiter = Waiter(poll_interval or durable_settings.POLL_INTERVAL)
+        self._stopping = False
+        self._signals = 0
+        self.steps_run = 0
+
+    @property
+    def stopping(self):
+        return self._stopping
+
+    def stop(self):
+        """Stop claiming; the current step finishes and the loop exits. Idempotent."""
+        self._stopping = True
+        self.runner.stopping = True
+
+    def install_signal_handlers(self):
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+
+    def _on_signal(self, signum, frame):
+        self._signals += 1
+        if self._signals == 1:
+            logger.info("%s received %s: finishing the current step, then exiting",
+                        self.name, signal.strsignal(signum))
+            self.stop()
+        else:
+            logger.warning("%s received %s again: exiting now", self.name, signal.strsignal(signum))
+            logging.shutdown()
+            os._exit(1)
+
+    def run(self):
+        faults.configure()
+        self.heartbeat.start()
+        logger.info("%s started (lease %ss%s)", self.name, self.lease_seconds,
+                    ", burst" if self.burst else "")
+        failures = 0
+        try:
+            while not self._stopping:
+                try:
+                    close_old_connections()
+                    started = self.runner.claim(self.workflows, self.queues)
+                    if started is None:
+                        if self.burst:
+                            break
+                        self.waiter.wait(lambda: self._stopping)
+                        continue
+                    self.runner.run(started)
+                    failures = 0
+                except (DatabaseError, InterfaceError) as exc:
+                    # The database went away (restart, killed backend, network blip).
+                    # Drop every connection and come back with a fresh one; nothing is
+                    # lost: uncommitted work rolls back and leases expire.
+                    failures += 1
+                    delay = min(30.0, 0.5 * 2 ** min(failures, 6))
+                    logger.warning("%s database error, reconnecting in %.1fs: %s", self.name,
+                                   delay, exc)
+                    for conn in connections.all(initialized_only=True):
+                        conn.close_if_unusable_or_obsolete()
+                        try:
+                            conn.close()
+                        except DatabaseError:
+                            pass
+                    self.waiter.close()
+                    time.sleep(delay)
+        finally:
+            self.heartbeat.stop()
+            self.waiter.close()
+            logger.info("%s stopped", self.name)

@@ -1,0 +1,130 @@
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from django.db import connection
+
+pytest_plugins = ["tests.browser"]
+
+ROOT = Path(__file__).resolve().parent.parent
+ON_POSTGRES = os.environ.get("DURABLE_TEST_DATABASE") == "postgres"
+
+
+def pytest_report_header(config):
+    return f"durable test database: {'PostgreSQL' if ON_POSTGRES else 'SQLite'}"
+
+
+def pytest_sessionstart(session):
+    if not ON_POSTGRES:
+        return
+    try:
+        import psycopg
+
+        url = os.environ.get("DURABLE_TEST_POSTGRES_URL", "postgres://postgres@127.0.0.1:5432/test")
+        psycopg.connect(url, connect_timeout=2).close()
+    except Exception as exc:  # noqa: BLE001
+        if os.environ.get("CI") == "true":
+            raise pytest.UsageError(f"CI=true but PostgreSQL is not reachable: {exc}") from None
+        session.config._durable_pg_missing = str(exc)
+
+
+def pytest_collection_modifyitems(config, items):
+    missing = getattr(config, "_durable_pg_missing", None)
+    if missing:
+        skip = pytest.mark.skip(
+            reason=f"PostgreSQL not reachable ({missing}); start it or set DURABLE_TEST_POSTGRES_URL"
+        )
+        for item in items:
+            item.add_marker(skip)
+
+
+def worker_env(**extra):
+    """Environment for a runworkers subprocess pointed at this test database."""
+    env = dict(os.environ)
+    env["DJANGO_SETTINGS_MODULE"] = "tests.settings"
+    env["DURABLE_TEST_WORKER"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    if ON_POSTGRES:
+        env["DURABLE_TEST_DB_NAME"] = connection.settings_dict["NAME"]
+    else:
+        env["DURABLE_TEST_SQLITE"] = connection.settings_dict["NAME"]
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+class Workers:
+    """Starts and stops ``manage.py runworkers`` subprocesses for a test."""
+
+    def __init__(self, tmp_path):
+        self.tmp_path = tmp_path
+        self.procs = []
+
+    def start(self, *args, processes=1, env=None, **extra):
+        log = open(self.tmp_path / f"workers-{len(self.procs)}.log", "wb")  # noqa: SIM115
+        proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "manage.py"), "runworkers", "--processes", str(processes), *args],
+            cwd=ROOT, env=worker_env(**(env or {}), **extra), stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        proc.log_path = log.name
+        self.procs.append(proc)
+        return proc
+
+    def kill(self, proc):
+        """SIGKILL the supervisor and all its children (the whole process group)."""
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+    def terminate(self, proc, timeout=20):
+        os.killpg(proc.pid, signal.SIGTERM)
+        return proc.wait(timeout)
+
+    def output(self, proc):
+        return Path(proc.log_path).read_text(errors="replace")
+
+    def close(self):
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait(10)
+
+
+@pytest.fixture
+def workers(tmp_path):
+    w = Workers(tmp_path)
+    yield w
+    w.close()
+
+
+def wait_for(predicate, timeout=30, interval=0.05, message="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {message}")
+
+
+@pytest.fixture
+def run_worker_inline():
+    """Run an in-process burst worker until nothing is claimable."""
+    from durable.worker import Worker
+
+    def run(**kwargs):
+        worker = Worker(name="test-worker", burst=True, **kwargs)
+        worker.runner.heartbeat = None
+        while True:
+            started = worker.runner.claim(worker.workflows, worker.queues)
+            if started is None:
+                return worker
+            worker.runner.run(started)
+
+    return run

@@ -1,0 +1,59 @@
+"""Test settings: the example site plus a test app, on SQLite or PostgreSQL.
+
+DURABLE_TEST_DATABASE=sqlite|postgres picks the database. Worker subprocesses started
+by tests inherit the environment and set DURABLE_TEST_WORKER=1, which points them at
+the test database the pytest process created.
+"""
+
+import os
+import tempfile
+
+import environ
+
+from project.settings import *  # noqa: F403
+from project.settings import INSTALLED_APPS, sqlite_options
+
+INSTALLED_APPS = [*INSTALLED_APPS, "tests.testapp"]
+
+env = environ.Env()
+which = os.environ.get("DURABLE_TEST_DATABASE", "sqlite")
+worker = os.environ.get("DURABLE_TEST_WORKER") == "1"
+
+if which == "postgres":
+    url = os.environ.get("DURABLE_TEST_POSTGRES_URL", "postgres://postgres@127.0.0.1:5432/test")
+    DATABASES = {"default": env.db_url_config(url)}
+    if worker:
+        DATABASES["default"]["NAME"] = os.environ["DURABLE_TEST_DB_NAME"]
+    DATABASES["default"]["TEST"] = {"NAME": os.environ.get("DURABLE_TEST_DB_NAME", "test_durable")}
+else:
+    path = os.environ.setdefault(
+        "DURABLE_TEST_SQLITE", os.path.join(tempfile.gettempdir(), f"durable-test-{os.getpid()}.sqlite3")
+    )
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": path if worker else path + ".unused",
+            "OPTIONS": sqlite_options(),
+            "TEST": {"NAME": path},
+        }
+    }
+
+PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+DURABLE = {
+    "LEASE_SECONDS": float(os.environ.get("DURABLE_LEASE_SECONDS", 60)),
+    "STEP_TIMEOUT": float(os.environ.get("DURABLE_STEP_TIMEOUT", 30)),
+    "BACKOFF_BASE": float(os.environ.get("DURABLE_BACKOFF_BASE", 1.0)),
+    "BACKOFF_CAP": float(os.environ.get("DURABLE_BACKOFF_CAP", 300.0)),
+    "POLL_INTERVAL": 0.2,
+    "SHUTDOWN_GRACE": 10.0,
+}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "loggers": {"durable": {"handlers": ["console"],
+                            "level": "INFO" if worker else "WARNING"}},
+}
