@@ -64,13 +64,15 @@ class Workers:
         self.procs = []
 
     def start(self, *args, processes=1, env=None, **extra):
-        log = open(self.tmp_path / f"workers-{len(self.procs)}.log", "wb")  # noqa: SIM115
-        proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "manage.py"), "runworkers", "--processes", str(processes), *args],
-            cwd=ROOT, env=worker_env(**(env or {}), **extra), stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        proc.log_path = log.name
+        log_path = self.tmp_path / f"workers-{len(self.procs)}.log"
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, str(ROOT / "manage.py"), "runworkers", "--processes",
+                 str(processes), *args],
+                cwd=ROOT, env=worker_env(**(env or {}), **extra), stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True,
+            )
+        proc.log_path = log_path
         self.procs.append(proc)
         return proc
 
