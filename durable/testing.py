@@ -28,6 +28,7 @@ the tests run, and must not share a connection pool or a bug with the client.
 """
 
 import argparse
+import copy
 import json
 import logging
 import math
@@ -153,7 +154,8 @@ class _Store:
 
     def snapshot(self):
         with self._lock:
-            return [dict(record) for record in self._records]
+            # Deep copies: a test that edits what it reads must not edit the store.
+            return copy.deepcopy(self._records)
 
     def _closed(self):
         return self._file is not None and self._file.closed

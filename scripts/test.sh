@@ -1,0 +1,180 @@
+#!/bin/sh
+# Run every check the project has, from a fresh clone with only python3 and pip:
+# ruff, Django's system checks, the migrations check, then the test suite on
+# SQLite and on PostgreSQL. Arguments are passed to pytest:
+#
+#   sh scripts/test.sh
+#   sh scripts/test.sh -m "not crash"
+#   sh scripts/test.sh -k approval -x
+#
+# Environment:
+#   DURABLE_TEST_POSTGRES_URL  PostgreSQL server for the second leg
+#                              (default postgres://postgres@127.0.0.1:5432/test)
+#   CI=true                    an unreachable PostgreSQL or a missing browser fails
+#                              the run instead of being skipped
+#   DURABLE_PYTHON             interpreter that creates the virtualenv (default python3)
+#   DURABLE_VENV               virtualenv directory (default .venv)
+#   DURABLE_PIP_EXTRA          extra requirements installed with the project
+#   DURABLE_TEST_LEGS          databases to test on (default "sqlite postgres")
+#   DURABLE_SKIP_BROWSER=1     leave out browser tests on every leg
+#
+# Every step runs even if an earlier one failed, so one run shows every problem;
+# the exit status is non-zero if any step failed.
+set -eu
+# Requirement specs such as Django>=6,<6.2 are split on spaces, never globbed.
+set -f
+
+cd "$(dirname "$0")/.."
+
+PYTHON_FOR_VENV=${DURABLE_PYTHON:-python3}
+VENV=${DURABLE_VENV:-.venv}
+PIP_EXTRA=${DURABLE_PIP_EXTRA:-}
+LEGS=${DURABLE_TEST_LEGS:-sqlite postgres}
+SKIP_BROWSER=${DURABLE_SKIP_BROWSER:-0}
+CI=${CI:-false}
+DURABLE_TEST_POSTGRES_URL=${DURABLE_TEST_POSTGRES_URL:-postgres://postgres@127.0.0.1:5432/test}
+export DURABLE_TEST_POSTGRES_URL
+
+heading() {
+    printf '\n==> %s\n' "$*"
+}
+
+failed=""
+fail() {
+    failed="$failed
+  - $*"
+}
+
+# Virtualenv and dependencies
+
+if [ ! -x "$VENV/bin/python" ]; then
+    heading "Creating $VENV with $PYTHON_FOR_VENV"
+    if ! "$PYTHON_FOR_VENV" -m venv "$VENV"; then
+        echo "Could not create a virtualenv. On Debian or Ubuntu: apt-get install python3-venv" >&2
+        exit 1
+    fi
+fi
+PYTHON="$VENV/bin/python"
+
+# The stamp names what was installed: a changed pyproject.toml or extra
+# requirement installs again, an unchanged one costs nothing.
+stamp="$VENV/.installed-$("$PYTHON" -c '
+import hashlib, sys
+digest = hashlib.sha256(open("pyproject.toml", "rb").read())
+digest.update(sys.argv[1].encode())
+print(digest.hexdigest()[:16])
+' "$PIP_EXTRA")"
+if [ ! -f "$stamp" ]; then
+    heading "Installing the project and its test dependencies into $VENV"
+    # shellcheck disable=SC2086  # PIP_EXTRA holds zero or more requirement specs
+    "$PYTHON" -m pip install --quiet --disable-pip-version-check -e '.[test]' $PIP_EXTRA
+    rm -f "$VENV"/.installed-*
+    touch "$stamp"
+fi
+"$PYTHON" -c 'import django, sys; print(f"Python {sys.version.split()[0]}, Django {django.__version__}")'
+
+# Static checks
+
+lint_dirs=""
+for dir in durable tests project bench; do
+    if [ -d "$dir" ]; then
+        lint_dirs="$lint_dirs $dir"
+    fi
+done
+heading "ruff check$lint_dirs"
+# shellcheck disable=SC2086  # one word per directory
+"$PYTHON" -m ruff check $lint_dirs || fail "ruff"
+
+# The checks load the test settings (the example site plus the test app) on
+# SQLite: they inspect code and models, not a database server.
+heading "manage.py check"
+DJANGO_SETTINGS_MODULE=tests.settings DURABLE_TEST_DATABASE=sqlite \
+    "$PYTHON" manage.py check || fail "manage.py check"
+
+heading "manage.py makemigrations --check"
+DJANGO_SETTINGS_MODULE=tests.settings DURABLE_TEST_DATABASE=sqlite \
+    "$PYTHON" manage.py makemigrations --check --dry-run || fail "missing migrations"
+
+# Test legs
+
+# Run pytest on one database, adding the leg's marker expression to the caller's
+# -m (pytest keeps only the last -m, so the two must become one expression).
+run_pytest() {
+    database=$1
+    leg_marker=$2
+    shift 2
+    user_marker=""
+    marker_follows=0
+    for arg do
+        shift
+        if [ "$marker_follows" = 1 ]; then
+            user_marker=$arg
+            marker_follows=0
+            continue
+        fi
+        case $arg in
+            -m) marker_follows=1; continue ;;
+            -m*) user_marker=${arg#-m}; continue ;;
+        esac
+        set -- "$@" "$arg"
+    done
+    if [ -n "$user_marker" ] && [ -n "$leg_marker" ]; then
+        marker="($user_marker) and ($leg_marker)"
+    else
+        marker="$user_marker$leg_marker"
+    fi
+    if [ -n "$marker" ]; then
+        DURABLE_TEST_DATABASE=$database "$PYTHON" -m pytest -m "$marker" "$@"
+    else
+        DURABLE_TEST_DATABASE=$database "$PYTHON" -m pytest "$@"
+    fi
+}
+
+browser_marker=""
+if [ "$SKIP_BROWSER" = 1 ]; then
+    browser_marker="not browser"
+fi
+
+for leg in $LEGS; do
+    case $leg in
+        sqlite)
+            heading "pytest on SQLite"
+            run_pytest sqlite "$browser_marker" "$@" || fail "tests on SQLite"
+            ;;
+        postgres)
+            heading "pytest on PostgreSQL"
+            # A two-second probe first: without a server, the leg would only
+            # produce a screen of connection errors.
+            if problem=$("$PYTHON" -c '
+import os, re, psycopg
+url = os.environ["DURABLE_TEST_POSTGRES_URL"]
+try:
+    psycopg.connect(url, connect_timeout=2).close()
+except psycopg.Error as exc:
+    shown = re.sub(r"(//[^:/@]*:)[^@]*@", r"\1***@", url)  # never print a password
+    reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    print(f"{shown} ({reason})")
+' 2>&1) && [ -z "$problem" ]; then
+                # Browser tests drive the web UI, which does not depend on the
+                # database: the SQLite leg covers them.
+                run_pytest postgres "not browser" "$@" || fail "tests on PostgreSQL"
+            elif [ "$CI" = true ]; then
+                echo "PostgreSQL not reachable at $problem, and CI=true: failing." >&2
+                fail "PostgreSQL not reachable"
+            else
+                echo "PostgreSQL not reachable at $problem; its tests were skipped." \
+                    "Start PostgreSQL or set DURABLE_TEST_POSTGRES_URL to run them."
+            fi
+            ;;
+        *)
+            echo "Unknown test leg '$leg' in DURABLE_TEST_LEGS (expected sqlite, postgres)" >&2
+            exit 2
+            ;;
+    esac
+done
+
+if [ -n "$failed" ]; then
+    heading "FAILED:$failed"
+    exit 1
+fi
+heading "All checks passed"
