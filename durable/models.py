@@ -44,7 +44,7 @@ class Job(models.Model):
     # the dispatcher); the claim query only reads rows where it is due.
     next_run_at = models.DateTimeField(_("next run at"), null=True, blank=True)
     lease_until = models.DateTimeField(_("lease until"), null=True, blank=True)
-    lease_owner = models.CharField(_("lease owner"), max_length=200, null=True, blank=True)
+    lease_owner = models.CharField(_("lease owner"), max_length=200, null=True, blank=True)  # noqa: DJ001 - NULL: no lease
     # Incremented by every claim; every write of a leased worker is fenced by it.
     lease_token = models.BigIntegerField(_("lease token"), default=0)
     # The durable timer of a waiting step, kept across re-runs of that step.
@@ -164,7 +164,7 @@ class Outbox(models.Model):
     # NULL when the dispatcher has nothing to do (settled, or waiting for an operator).
     next_attempt_at = models.DateTimeField(_("next attempt at"), null=True, blank=True)
     lease_until = models.DateTimeField(_("lease until"), null=True, blank=True)
-    lease_owner = models.CharField(_("lease owner"), max_length=200, null=True, blank=True)
+    lease_owner = models.CharField(_("lease owner"), max_length=200, null=True, blank=True)  # noqa: DJ001 - NULL: no lease
     lease_token = models.BigIntegerField(_("lease token"), default=0)
     sent_at = models.DateTimeField(_("sent at"), null=True, blank=True)
     remote_id = models.CharField(_("remote id"), max_length=255, blank=True, default="")

@@ -121,7 +121,8 @@ def scrub(text, limit=None):
         text = pattern.sub(replacement, text)
     limit = limit or durable_settings.MAX_ERROR_CHARS
     if len(text) > limit:
-        text = text[: limit - 15] + " …[truncated]"
+        marker = " …[truncated]"
+        text = text[: limit - len(marker)] + marker
     return text
 
 

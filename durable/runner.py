@@ -141,7 +141,7 @@ class Runner:
         return dict(StepResult.objects.filter(job_id=job_id).values_list("step", "output"))
 
     def run_step(self, started):
-        claimed, step, states = started.claimed, started.step, started.states
+        claimed, step = started.claimed, started.step
         if started.memos is None:
             started.memos = self._load_memos(claimed.id)
         memos = started.memos
