@@ -40,10 +40,12 @@ def db_now():
         return _sqlite_dt(cursor.fetchone()[0])
 
 
-def _sqlite_dt(text):
-    if text is None or isinstance(text, datetime.datetime):
-        return text
-    value = parse_datetime(text)
+def _sqlite_dt(value):
+    """A datetime from SQLite (stored in UTC without an offset) as an aware datetime."""
+    if value is None:
+        return None
+    if not isinstance(value, datetime.datetime):
+        value = parse_datetime(value)
     return value.replace(tzinfo=datetime.UTC) if value.tzinfo is None else value
 
 

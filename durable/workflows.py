@@ -279,9 +279,14 @@ class Context:
         """Add ``amount`` (money: a Decimal or a string) to this step's recorded cost."""
         self.cost_total += Decimal(str(amount))
 
+    @property
+    def woken(self):
+        """Whether this run is the wake-up of a timer this step set."""
+        return self._wake_at is not None and self.db_now >= self._wake_at
+
     def sleep_until(self, when):
         """Wait durably until ``when``: the first call sets the timer, re-runs after it return."""
-        if self._wake_at is not None and self.db_now >= self._wake_at:
+        if self.woken:
             return
         raise Wait(self._wake_at or when)
 

@@ -3,8 +3,6 @@ import pytest
 import durable
 from durable.models import Job
 
-from .conftest import wait_for
-
 
 @pytest.mark.django_db(transaction=True)
 def test_runworkers_subprocess_drains_submitted_jobs(workers, tmp_path):
