@@ -75,7 +75,7 @@ def test_a_step_whose_memo_exists_is_not_run_again(tmp_path):
     # The job is sent back before step b; b's memo exists, c's was removed.
     job = Job.objects.get(pk="j")
     StepResult.objects.filter(job_id="j", step="c").delete()
-    Job.objects.filter(pk="j").update(state="a_done", next_run_at=locking.now_plus(0))
+    Job.objects.filter(pk="j").update(state="a_done", next_run_at=locking.now_plus(-1))
     log.write_text("")
     drain()
     assert [line.split()[1] for line in log.read_text().splitlines()] == ["c"]
