@@ -8,7 +8,7 @@ import os
 import time
 from decimal import Decimal
 
-from durable import NeedsHuman, Output, RetryableError, Retry, Wait, Workflow, step
+from durable import NeedsHuman, Output, Retry, RetryableError, Wait, Workflow, step
 
 
 def record(payload, what):
@@ -46,7 +46,7 @@ class Pipeline(Workflow):
 
 
 class Recorded(Workflow):
-    """Three steps that log each execution; ``sleep`` in the payload slows step b."""
+    """Three steps that log each execution; ``sleep`` slows the first attempt of step b."""
 
     name = "recorded"
 
@@ -58,7 +58,8 @@ class Recorded(Workflow):
     @step(timeout=20)
     def b(self, data, ctx):
         record(ctx.payload, f"{ctx.job_id} b-start {os.getpid()}")
-        time.sleep(float(ctx.payload.get("sleep", 0)))
+        if ctx.attempt == 1:
+            time.sleep(float(ctx.payload.get("sleep", 0)))
         record(ctx.payload, f"{ctx.job_id} b {os.getpid()}")
         return {"b": data["a"] + 1}
 
@@ -126,6 +127,6 @@ class WaitUntil(Workflow):
 
     @step(waits=True)
     def wait(self, payload, ctx):
-        if ctx.attempt == 1 and not payload.get("done"):
+        if not ctx.woken:
             raise Wait(seconds=payload["seconds"])
         return {}
