@@ -1,0 +1,1 @@
+"""Benchmarks of durable beside the database's own ceiling: ``python bench/run.py``."""

@@ -1,0 +1,181 @@
+"""Median, min and max of every figure over the repeats; the table, in text and Markdown."""
+
+import statistics
+from collections import defaultdict
+
+TARGETS = {
+    "ratio": 0.5,  # steps/s at least half the ceiling with the same process count
+    "latency_p50_ms": {"postgres": 5.0, "sqlite": 50.0},
+    "claim_growth": 1.5,  # claim at 1M within 1.5x of claim at 10k
+}
+
+
+def stats(values):
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "n": len(values)}
+
+
+def _by(records, figure, *keys):
+    out = defaultdict(list)
+    for rec in records:
+        if rec["figure"] == figure:
+            out[tuple(rec[k] for k in keys)].append(rec)
+    return out
+
+
+def summarise(result):
+    records = result["records"]
+    ceilings = {(r["database"], r["processes"], r["repeat"]): r["tx_per_s"]
+                for r in records if r["figure"] == "ceiling"}
+    summary = {"ceiling": {}, "drain": {}, "latency": {}, "claim": {}, "actions": {}, "rss": {}}
+    for (db, p), recs in sorted(_by(records, "ceiling", "database", "processes").items()):
+        summary["ceiling"][f"{db} p={p}"] = {
+            "tx_per_s": stats([r["tx_per_s"] for r in recs]),
+            "cpu_us_per_tx": stats([r["cpu_us_per_tx"] for r in recs]),
+        }
+    for (db, p), recs in sorted(_by(records, "drain", "database", "processes").items()):
+        # The ratio pairs each drain with the ceiling measured just before it.
+        ratios = [r["steps_per_s"] / ceilings[(db, p, r["repeat"])]
+                  for r in recs if (db, p, r["repeat"]) in ceilings]
+        summary["drain"][f"{db} p={p}"] = {
+            "steps_per_s": stats([r["steps_per_s"] for r in recs]),
+            "jobs_per_s": stats([r["jobs_per_s"] for r in recs]),
+            "ratio_to_ceiling": stats(ratios),
+            "wall_minus_startup_steps_per_s": stats([r["wall_minus_startup_steps_per_s"] for r in recs]),
+            "cpu_us_per_step": stats([r["cpu_us_per_step"] for r in recs]),
+            "peak_rss_mb": stats([r["peak_rss_mb"] for r in recs]),
+        }
+    for (db, p), recs in sorted(_by(records, "latency", "database", "processes").items()):
+        summary["latency"][f"{db} p={p}"] = {
+            "p50_ms": stats([r["p50_ms"] for r in recs]),
+            "p99_ms": stats([r["p99_ms"] for r in recs]),
+            "p50_from_commit_ms": stats([r["p50_from_commit_ms"] for r in recs]),
+        }
+    for (db, size), recs in sorted(_by(records, "claim", "database", "finished_jobs").items()):
+        summary["claim"].setdefault(db, {})[size] = stats([r["claim_us"] for r in recs])
+    for sizes in summary["claim"].values():
+        lo, hi = min(sizes), max(sizes)
+        if lo != hi:
+            sizes["growth"] = {"from": lo, "to": hi,
+                               "ratio": sizes[hi]["median"] / sizes[lo]["median"]}
+    for (db,), recs in _by(records, "actions", "database").items():
+        summary["actions"][db] = {"actions_per_s": stats([r["actions_per_s"] for r in recs])}
+    for (db,), recs in _by(records, "rss", "database").items():
+        summary["rss"][db] = rss_trend(recs[-1]["samples"])
+    return summary
+
+
+def rss_trend(samples):
+    """RSS early, late, and the growth per 10,000 steps over the second half of the run."""
+    samples = [s for s in samples if s["steps"] > 0]
+    if len(samples) < 4:
+        return {"samples": len(samples)}
+    half = samples[len(samples) // 2:]
+    slope = 0.0
+    xs, ys = [s["steps"] for s in half], [s["rss_mb"] for s in half]
+    if len(set(xs)) > 1:
+        slope = statistics.linear_regression(xs, ys).slope * 10_000
+    first = samples[min(len(samples) - 1, len(samples) // 10)]
+    return {"samples": len(samples), "steps": samples[-1]["steps"],
+            "rss_mb_at_10pct": first["rss_mb"], "rss_mb_at_10pct_steps": first["steps"],
+            "rss_mb_end": samples[-1]["rss_mb"], "rss_mb_max": max(ys + [first["rss_mb"]]),
+            "growth_mb_per_10k_steps_second_half": slope}
+
+
+def _fmt(s, digits=0, unit=""):
+    if not s:
+        return "-"
+    f = f"{{:,.{digits}f}}"
+    return f"{f.format(s['median'])}{unit} ({f.format(s['min'])}–{f.format(s['max'])})"
+
+
+def rows(result):
+    """(section, header, rows) tuples shared by the text and Markdown renderers."""
+    s = result["summary"]
+    out = []
+    out.append(("Ceiling: raw insert + update + commit (tx/s)", ["database", "tx/s", "CPU µs/tx"],
+                [[k, _fmt(v["tx_per_s"]), _fmt(v["cpu_us_per_tx"])] for k, v in s["ceiling"].items()]))
+    out.append((f"durable: {result['options']['jobs']} jobs × 3 no-op steps, runworkers --burst "
+                "(first claim → last commit, DB timestamps)",
+                ["database", "steps/s", "jobs/s", "× ceiling", "steps/s (wall − start-up)",
+                 "CPU µs/step", "peak RSS MB"],
+                [[k, _fmt(v["steps_per_s"]), _fmt(v["jobs_per_s"]), _fmt(v["ratio_to_ceiling"], 2),
+                  _fmt(v["wall_minus_startup_steps_per_s"]), _fmt(v["cpu_us_per_step"]),
+                  _fmt(v["peak_rss_mb"], 1)] for k, v in s["drain"].items()]))
+    out.append(("Submit-to-start latency, idle workers, one submit at a time (ms, from the submit call)",
+                ["database", "p50", "p99", "p50 from commit"],
+                [[k, _fmt(v["p50_ms"], 1), _fmt(v["p99_ms"], 1), _fmt(v["p50_from_commit_ms"], 1)]
+                 for k, v in s["latency"].items()]))
+    claim_rows = []
+    for db, sizes in s["claim"].items():
+        for size, v in sizes.items():
+            if size == "growth":
+                claim_rows.append([db, f"{v['to']:,} vs {v['from']:,}", f"× {v['ratio']:.2f}"])
+            else:
+                claim_rows.append([db, f"{size:,}", _fmt(v)])
+    out.append(("Claim + commit with finished jobs in the table (µs per claim)",
+                ["database", "finished jobs", "µs"], claim_rows))
+    if s["actions"]:
+        out.append(("Actions through the dispatcher to a local receiver", ["database", "actions/s"],
+                    [[k, _fmt(v["actions_per_s"])] for k, v in s["actions"].items()]))
+    else:
+        out.append(("Actions through the dispatcher", ["figure"],
+                    [["pending: durable.dispatch is not in this tree yet"]]))
+    if s["rss"]:
+        out.append(("One worker's RSS over a long drain", ["database", "steps", "RSS at 10 %",
+                    "RSS end", "growth MB / 10k steps (2nd half)"],
+                    [[k, f"{v.get('steps', 0):,}", f"{v.get('rss_mb_at_10pct', 0):.1f}",
+                      f"{v.get('rss_mb_end', 0):.1f}",
+                      f"{v.get('growth_mb_per_10k_steps_second_half', 0):+.2f}"]
+                     for k, v in s["rss"].items()]))
+    return out
+
+
+def _machine_lines(result):
+    m = result["machine"]
+    lines = [f"{m['cores']} cores ({m['cpu']}), {m['memory_gb']} GB, Linux {m['kernel']}, "
+             f"Python {m['python']}, Django {m['django']}, psycopg {m['psycopg']}, "
+             f"SQLite {m['sqlite']}"]
+    if "sqlite_pragmas" in m:
+        lines.append(f"SQLite on {m.get('sqlite_filesystem')}: {m['sqlite_pragmas']}")
+    if "postgres" in m:
+        lines.append(f"PostgreSQL: {m['postgres']}")
+    return lines
+
+
+def render_table(result):
+    lines = [f"durable benchmark, {result['started']}, {result['duration_s']} s",
+             *_machine_lines(result),
+             "each cell: median (min–max) over the repeats"]
+    for title, header, body in rows(result):
+        widths = [max(len(str(x)) for x in col) for col in zip(header, *body, strict=False)]
+        lines += ["", title]
+        lines.append("  ".join(str(h).ljust(w) for h, w in zip(header, widths, strict=False)))
+        for row in body:
+            lines.append("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=False)))
+    if result["errors"]:
+        lines += ["", "ERRORS:", *result["errors"]]
+    return "\n".join(lines)
+
+
+def render_markdown(result):
+    lines = ["# durable benchmark results", "",
+             f"`{result['command']}`, {result['started']}, {result['duration_s']} s.", ""]
+    lines += [f"- {line}" for line in _machine_lines(result)]
+    lines += ["- each cell: median (min–max) over the repeats", ""]
+    for title, header, body in rows(result):
+        lines += [f"## {title}", "", "| " + " | ".join(header) + " |",
+                  "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in body]
+        lines.append("")
+    for db, sizes in result.get("plans", {}).items():
+        if sizes:
+            big = sizes[-1]
+            lines += [f"## Claim query plan on {db} with {big['finished_jobs']:,} finished jobs",
+                      "", "```", big["plan"], "```", ""]
+    if result["errors"]:
+        lines += ["## Errors", ""] + [f"- {e}" for e in result["errors"]]
+    return "\n".join(lines) + "\n"
