@@ -75,3 +75,14 @@ class PermanentError(DurableError):
 
 class StepTimeout(RetryableError):
     """The step ran past its timeout. Retryable: the step is re-run in a fresh process."""
+
+
+class DecisionRefused(OperatorError):
+    """A decision on a proposal was refused: it changed, expired or was already decided.
+
+    Nothing changed. Reload the proposal and decide again on what it says now.
+    """
+
+
+class DecisionForbidden(DecisionRefused):
+    """The user may not decide this proposal (no permission, or four-eyes). Nothing changed."""

@@ -118,7 +118,9 @@ class TransitionTable:
                 if to not in self.edges:
                     bad(f"edge {frm} -> {to} points to an undeclared state {to!r}")
         for st in self.steps:
-            need = [(st.before, st.working), (st.working, st.done), (st.working, st.failure)]
+            # An action step is done when its action is confirmed, from in flight.
+            need = [(st.before, st.working), (st.in_flight or st.working, st.done),
+                    (st.working, st.failure)]
             if st.failure != st.human:
                 need.append((st.failure, st.before))
             for frm, to in need:
@@ -229,7 +231,8 @@ def derive(steps):
         if failure != NEEDS_HUMAN:
             add(failure, before)  # the requeue edge
             kinds[failure] = StateKind.FAILED
-        if st.needs_human:
+        if st.needs_human or (states.approval and st.on_reject == NEEDS_HUMAN):
+            # A person may send the job back to prepare again (after a rejection, too).
             human_returns.append(before)
         kinds[st.done] = StateKind.TERMINAL if last else StateKind.READY
         edges.setdefault(st.done, [])

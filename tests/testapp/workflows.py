@@ -130,3 +130,5 @@ class WaitUntil(Workflow):
         if not ctx.woken:
             raise Wait(seconds=payload["seconds"])
         return {}
+
+from . import approval_workflows  # noqa: E402, F401 - registers the approval test workflows

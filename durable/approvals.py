@@ -1,0 +1,673 @@
+"""Approvals bound to a proposal: the exact action a job is about to take.
+
+An action step that needs approval does not go straight to the outbox. Its action is
+written as a *proposal* (destination, operation, values, the input version it was
+prepared from) beside a pending outbox row the dispatcher ignores, and a person
+approves the proposal's hash, not "the job". Before the dispatcher sends, it calls
+``check_before_dispatch``: approved, not expired (database clock), the hash of what
+is about to be sent equals the approved hash, and the input version recomputed now
+equals the approved one. Anything else sends nothing: the approval is superseded (or
+expired) and the step runs again from current inputs to propose afresh.
+
+Decisions (``approve``, ``reject``, ``prepare_again``) are services shared by the
+console, code and the CLI; each re-checks under a row lock what the operator saw.
+"""
+
+import datetime
+import hashlib
+import json
+import logging
+import math
+from decimal import Decimal
+
+from django.core.serializers.json import DjangoJSONEncoder
+from django.db import transaction
+from django.db.models import Sum
+from django.db.models.functions import Now
+
+from . import faults, locking
+from .conf import durable_settings
+from .exceptions import DecisionForbidden, DecisionRefused, OperatorError
+from .models import (
+    Approval,
+    ApprovalStatus,
+    EventKind,
+    Job,
+    JobEvent,
+    Outbox,
+    OutboxStatus,
+    StepResult,
+)
+from .workflows import Action, Context, registry
+
+logger = logging.getLogger("durable.approvals")
+
+PERMISSION = "durable.approve_proposal"
+CHANGED = "This proposal changed since you opened it; review the current one."
+# Approval.input_version is a CharField; longer fingerprints are stored as their hash.
+_VERSION_MAX = 255
+
+
+# Canonical form and hashing ------------------------------------------------------------
+
+
+def _number(value):
+    """One spelling per numeric value: 42, 42.0 and Decimal('42.00') are all ``42``."""
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{value!r} cannot be part of a proposal (not a finite number)")
+        # repr is the shortest text that round-trips, so a float read back from a
+        # JSON column (or PostgreSQL's jsonb numeric) spells the same.
+        value = Decimal(repr(value))
+    if not value.is_finite():
+        raise ValueError(f"{value!r} cannot be part of a proposal (not a finite number)")
+    if value == 0:
+        return "0"
+    return format(value.normalize(), "f")
+
+
+def _canonical(value):
+    if value is None:
+        return "null"
+    if value is True:
+        return "true"
+    if value is False:
+        return "false"
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, (float, Decimal)):
+        return _number(value)
+    if isinstance(value, dict):
+        for key in value:
+            if not isinstance(key, str):
+                raise TypeError(f"proposal keys must be strings, not {type(key).__name__} {key!r}")
+        items = sorted(value.items())
+        return "{" + ",".join(f"{_canonical(k)}:{_canonical(v)}" for k, v in items) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_canonical(v) for v in value) + "]"
+    # Dates, UUIDs and the like: as DjangoJSONEncoder would send them.
+    return _canonical(DjangoJSONEncoder().default(value))
+
+
+def canonical_json(value):
+    """Return ``value`` as canonical JSON: sorted keys, no whitespace, one spelling per number."""
+    return _canonical(value)
+
+
+def proposal_hash(proposal):
+    """Return the sha256 (hex) of a proposal's canonical JSON."""
+    return hashlib.sha256(canonical_json(proposal).encode()).hexdigest()
+
+
+def wire_values(values):
+    """Return ``values`` as they are stored and sent: JSON types only (a Decimal is its string).
+
+    The hash is taken over this form, so it is the hash of exactly what the destination
+    receives, and reading the row back from the database cannot change it.
+    """
+    if not isinstance(values, dict):
+        raise TypeError(f"an action's values must be a dict, not {type(values).__name__}")
+    try:
+        text = json.dumps(values, cls=DjangoJSONEncoder, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"the action's values are not JSON-serialisable: {exc}") from None
+    return json.loads(text)
+
+
+def version_text(value):
+    """Return an input version as stored: a string of at most 255 characters."""
+    if value is None:
+        return ""
+    text = value if isinstance(value, str) else canonical_json(value)
+    if len(text) > _VERSION_MAX:
+        text = "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+    return text
+
+
+def make_proposal(destination, operation, values, input_version):
+    """Return the proposal dict that is stored, shown and hashed."""
+    return {
+        "destination": destination,
+        "operation": operation,
+        "values": values,
+        "input_version": input_version,
+    }
+
+
+def hash_of_row(row, input_version):
+    """Return the proposal hash of what an outbox row is about to send."""
+    return proposal_hash(make_proposal(row.destination, row.operation, row.payload, input_version))
+
+
+# The outbox row of a proposal ----------------------------------------------------------
+
+
+def _params_hash(destination, operation, values):
+    return hashlib.sha256(
+        canonical_json({"destination": destination, "operation": operation, "values": values})
+        .encode()
+    ).hexdigest()
+
+
+def _outbox_identity(job_id, kind, destination, operation, values):
+    """Return ``(params_hash, idempotency_key)`` as the dispatcher derives them."""
+    try:
+        from .dispatch import action_identity
+    except ImportError:
+        params = _params_hash(destination, operation, values)
+        key = hashlib.sha256(f"{job_id}\x00{kind}\x00{params}".encode()).hexdigest()
+        return params, f"durable-{key[:40]}"
+    return action_identity(job_id, kind, destination, operation, values)
+
+
+def requires_approval(st, action, ctx):
+    """Whether this action of step ``st`` needs a person's approval before it is sent."""
+    if not st.approval:
+        return False
+    if st.approval is True:
+        return True
+    return bool(st.approval(action, ctx))
+
+
+# Requesting approval (called by the dispatcher's enqueue_action) ------------------------
+
+
+def context_for(job, st, db_now=None):
+    """Rebuild a step's Context from stored state (for hooks called outside the step)."""
+    memos = dict(StepResult.objects.filter(job_id=job.pk).values_list("step", "output"))
+    return Context(
+        job_id=job.pk, workflow=job.workflow, step=st.name, attempt=max(job.attempts, 1),
+        payload=job.payload, memos=memos, db_now=db_now or locking.db_now(),
+    )
+
+
+def request_approval(runner, started, action, ctx, cost, duration):
+    """Write the proposal, its parked outbox row and the request, and park the job.
+
+    One transaction, fenced by the worker's lease: the job moves from the step's
+    working state to awaiting approval only together with the Approval and the
+    outbox row (whose ``next_attempt_at`` is NULL, so the dispatcher ignores it until
+    someone approves). If the same proposal was already approved and is still valid
+    (a restart after the decision), it is reused and the job goes straight in flight.
+    Returns None: the job has left this worker.
+    """
+    claimed, st, states, workflow = started.claimed, started.step, started.states, started.workflow
+    token = claimed.lease_token
+    try:
+        values = wire_values(action.values)
+        job = Job.objects.get(pk=claimed.id)
+        version = version_text(workflow.input_version(job, ctx))
+        summary = action.summary or workflow.summarize(action, ctx)
+        proposal = make_proposal(action.destination, action.operation, values, version)
+        digest = proposal_hash(proposal)
+    except Exception as exc:  # noqa: BLE001 - the step's retry policy classifies it
+        return runner._failed(started, exc, duration.total_seconds())
+    params, key = _outbox_identity(claimed.id, st.name, action.destination, action.operation,
+                                   values)
+    expiry = st.approval_expiry or durable_settings.APPROVAL_EXPIRY_SECONDS
+    event_data = {"hash": digest, "cost": str(cost), "attempt": started.attempt,
+                  "ms": round(duration.total_seconds() * 1000, 3)}
+    with transaction.atomic():
+        now = locking.db_now()
+        row = Outbox.objects.select_for_update().filter(job_id=claimed.id, kind=st.name).first()
+        if row is not None and row.status in (OutboxStatus.ATTEMPTED, OutboxStatus.UNKNOWN,
+                                              OutboxStatus.SUCCEEDED):
+            # This action may already have happened: never ask to send it again. The
+            # dispatcher owns it (reconcile, or complete from the recorded result).
+            ok = locking.transition(
+                claimed, states.in_flight, token=token, actor=runner.owner, step=st.name,
+                table=started.table, kind=EventKind.ACTION,
+                message=f"the action is already {row.status}; not proposed again",
+                fields={"lease_until": None, "lease_owner": None, "next_run_at": None},
+            )
+            if ok:
+                Outbox.objects.filter(pk=row.pk).update(next_attempt_at=Now(), updated=Now())
+                locking.notify("durable_outbox", claimed.id)
+            else:
+                runner._lost(started)
+            return None
+        previous = list(
+            Approval.objects.select_for_update()
+            .filter(job_id=claimed.id, step=st.name,
+                    status__in=[ApprovalStatus.REQUESTED, ApprovalStatus.APPROVED])
+            .order_by("-id")
+        )
+        reuse = next(
+            (a for a in previous if a.proposal_hash == digest and a.status == ApprovalStatus.APPROVED
+             and a.expires_at > now),
+            None,
+        )
+        stale = [a for a in previous if a is not reuse]
+        for old in stale:
+            _close(old, ApprovalStatus.SUPERSEDED,
+                   "a new proposal was prepared from current inputs")
+        due = Now() if reuse is not None else None
+        fields = {"destination": action.destination, "operation": action.operation,
+                  "payload": values, "params_hash": params, "idempotency_key": key,
+                  "status": OutboxStatus.PENDING, "next_attempt_at": due, "attempts": 0,
+                  "lease_until": None, "lease_owner": None, "last_error": ""}
+        if row is None:
+            Outbox.objects.create(job_id=claimed.id, kind=st.name, **fields)
+        else:
+            # Pending (superseded, never sent), failed or cancelled: the new proposal
+            # replaces it. The events keep what the old row said.
+            for name, value in fields.items():
+                setattr(row, name, value)
+            row.version += 1
+            row.save()
+        if reuse is None:
+            approval = Approval.objects.create(
+                job_id=claimed.id, step=st.name, proposal=proposal, proposal_hash=digest,
+                input_version=version, summary=summary,
+                expires_at=now + datetime.timedelta(seconds=float(expiry)),
+            )
+            path = [states.approval]
+            message = f"approval requested: {summary}"
+            event_data.update(approval=approval.pk, expires_at=approval.expires_at.isoformat())
+        else:
+            path = [states.approval, states.in_flight]
+            message = f"the same proposal was approved already (approval {reuse.pk}); dispatching"
+            event_data.update(approval=reuse.pk)
+        ok = locking.transition(
+            claimed, path, token=token, actor=runner.owner, step=st.name, table=started.table,
+            kind=EventKind.APPROVAL, message=message, data=event_data,
+            fields={"lease_until": None, "lease_owner": None, "next_run_at": None,
+                    "last_error": ""},
+        )
+        if not ok:
+            # The lease was lost: another worker owns the job, and nothing here may commit.
+            transaction.set_rollback(True)
+            runner._lost(started)
+            return None
+        if reuse is not None:
+            locking.notify("durable_outbox", claimed.id)
+    faults.point("during_approval_wait")
+    logger.info("%s job=%s step=%s -> %s: %s", runner.owner, claimed.id, st.name, claimed.state,
+                message)
+    runner._signal_finished(started, "action")
+    return None
+
+
+def _close(approval, status, note):
+    """Mark an open or approved proposal superseded or expired (inside a transaction)."""
+    Approval.objects.filter(pk=approval.pk).update(
+        status=status, note=(approval.note + "\n" if approval.note else "") + note
+    )
+    approval.status = status
+    JobEvent.objects.create(
+        job_id=approval.job_id, kind=EventKind.APPROVAL, step=approval.step, actor="durable",
+        message=f"approval {approval.pk} {status}: {note}",
+        data={"approval": approval.pk, "hash": approval.proposal_hash},
+    )
+
+
+# The checks before dispatch ---------------------------------------------------------------
+
+
+def check_before_dispatch(outbox_row, job):
+    """Whether ``outbox_row`` may be sent now; if not, send it back for a new proposal.
+
+    Called by the dispatcher inside the transaction that marks the row attempted.
+    Checks, for an action that needs approval: an approval exists and is approved,
+    it has not expired (database clock), its hash equals the hash of what the row is
+    about to send, and the workflow's input version recomputed now equals the approved
+    one. On any failure nothing is sent: the approval is superseded (or expired), the
+    row is parked, and the job goes back along its retry edge so the step prepares a
+    new proposal from current inputs. Returns True only when sending may go ahead.
+    """
+    if outbox_row.status != OutboxStatus.PENDING:
+        # A resend of an attempted or unknown row is reconciliation of the write that
+        # was approved and checked when it first left, not a new write.
+        return True
+    workflow = registry.get(job.workflow)
+    st = workflow.steps_by_name.get(outbox_row.kind)
+    if st is None or not st.approval:
+        return True
+    states = next(s for s in workflow.table.steps if s.step == st.name)
+    now = locking.db_now()
+    ctx = context_for(job, st, now)
+    action = Action(outbox_row.destination, outbox_row.operation, outbox_row.payload)
+    try:
+        required = requires_approval(st, action, ctx)
+    except Exception:  # noqa: BLE001 - a predicate that fails cannot waive approval
+        required = True
+    approval = (
+        Approval.objects.select_for_update().filter(job_id=job.pk, step=st.name).order_by("-id")
+        .first()
+    )
+    if approval is None or approval.status != ApprovalStatus.APPROVED:
+        if not required:
+            return True
+        if approval is not None and approval.status == ApprovalStatus.REQUESTED:
+            _park(outbox_row, "waiting for approval")
+            return False
+        why = "no approval for this action" if approval is None else f"the approval is {approval.status}"
+        return _send_back(outbox_row, job, states, None, None, why)
+    if approval.expires_at <= now:
+        return _send_back(outbox_row, job, states, approval, ApprovalStatus.EXPIRED,
+                          f"the approval expired at {approval.expires_at.isoformat()}"
+                          " before the action was sent")
+    if hash_of_row(outbox_row, approval.input_version) != approval.proposal_hash:
+        if not required:
+            _close(approval, ApprovalStatus.SUPERSEDED, "the action no longer needs approval")
+            return True
+        return _send_back(outbox_row, job, states, approval, ApprovalStatus.SUPERSEDED,
+                          "what is about to be sent differs from what was approved")
+    try:
+        current = version_text(workflow.input_version(job, ctx))
+    except Exception as exc:  # noqa: BLE001 - an unverifiable input is not a current one
+        current = None
+        why = f"the input version could not be computed ({type(exc).__name__}: {exc})"
+    else:
+        why = (f"the inputs changed since approval (approved {approval.input_version!r},"
+               f" now {current!r})")
+    if current != approval.input_version:
+        return _send_back(outbox_row, job, states, approval, ApprovalStatus.SUPERSEDED, why)
+    return True
+
+
+def _park(row, why):
+    Outbox.objects.filter(pk=row.pk).update(
+        next_attempt_at=None, lease_until=None, lease_owner=None, last_error=why, updated=Now()
+    )
+    row.next_attempt_at = None
+    row.last_error = why
+
+
+def _send_back(row, job, states, approval, status, why):
+    """Send nothing; close the approval; re-run the step so it proposes from current inputs."""
+    if approval is not None:
+        _close(approval, status, why)
+    _park(row, f"not sent: {why}")
+    moved = False
+    if job.state == states.in_flight:
+        moved = locking.transition(
+            job, states.before, expect=states.in_flight, actor="durable", step=states.step,
+            kind=EventKind.APPROVAL, message=f"not sent: {why}; preparing a new proposal for review",
+            data={"approval": approval.pk if approval else None, "outbox": row.pk},
+            fields={"next_run_at": Now(), "attempts": 0, "lease_until": None,
+                    "lease_owner": None, "last_error": f"not sent: {why}"},
+        )
+    if moved:
+        locking.notify("durable_jobs", job.workflow)
+    logger.warning("job=%s step=%s not sent: %s", job.pk, states.step, why)
+    return False
+
+
+# Decisions -------------------------------------------------------------------------------
+
+
+def _actor(user):
+    if user is None:
+        return "system"
+    if isinstance(user, str):
+        return user
+    return user.get_username()
+
+
+def _is_person(user):
+    return user is not None and not isinstance(user, str) and getattr(user, "pk", None)
+
+
+def can_decide(user):
+    """Whether ``user`` may approve or reject proposals (code and the CLI pass a name)."""
+    if user is None or isinstance(user, str):
+        return True
+    return user.is_active and user.has_perm(PERMISSION)
+
+
+def _admin_log(user, approval, message):
+    if not _is_person(user):
+        return
+    from django.apps import apps
+
+    if not apps.is_installed("django.contrib.admin"):
+        return
+    from django.contrib.admin.models import CHANGE, LogEntry
+
+    LogEntry.objects.log_actions(
+        user_id=user.pk, queryset=[approval], action_flag=CHANGE, change_message=message,
+        single_object=True,
+    )
+
+
+def _describe(approval):
+    who = approval.decided_by.get_username() if approval.decided_by_id else "someone"
+    when = approval.decided_at.isoformat(timespec="seconds") if approval.decided_at else ""
+    return {
+        ApprovalStatus.APPROVED: f"This proposal was already approved by {who} {when}.",
+        ApprovalStatus.REJECTED: f"This proposal was already rejected by {who} {when}.",
+        ApprovalStatus.EXPIRED: "This proposal expired before anyone decided; prepare it again.",
+        ApprovalStatus.SUPERSEDED: CHANGED,
+    }.get(approval.status, f"This proposal is {approval.status}.")
+
+
+def _locked(approval_id):
+    try:
+        return (
+            Approval.objects.select_for_update().select_related("job", "decided_by")
+            .get(pk=approval_id)
+        )
+    except (Approval.DoesNotExist, ValueError, TypeError):
+        raise DecisionRefused(f"There is no proposal {approval_id!r}") from None
+
+
+def _states(approval):
+    table = approval.job.table
+    for states in table.steps:
+        if states.step == approval.step:
+            return states
+    raise OperatorError(f"Workflow {approval.job.workflow} has no step {approval.step!r}")
+
+
+class _Expired(str):
+    """The refusal message of a decision that came after the proposal's expiry."""
+
+
+def _decide(approval_id, seen_hash, user, verb):
+    """Lock the approval and refuse what may not be decided; return (approval, states, now).
+
+    An expiry found here is written down even though the decision is refused, so it
+    is returned as an ``Expired`` for the caller to raise after the commit.
+    """
+    if not can_decide(user):
+        raise DecisionForbidden(
+            f"You may view proposals but not {verb} them (the permission"
+            f" '{PERMISSION}' is missing)."
+        )
+    approval = _locked(approval_id)
+    if approval.status != ApprovalStatus.REQUESTED:
+        raise DecisionRefused(_describe(approval))
+    if not seen_hash or str(seen_hash) != approval.proposal_hash:
+        raise DecisionRefused(CHANGED)
+    now = locking.db_now()
+    if approval.expires_at <= now:
+        _close(approval, ApprovalStatus.EXPIRED,
+               f"expired at {approval.expires_at.isoformat()} before a decision")
+        return _Expired(f"This proposal expired at {approval.expires_at:%Y-%m-%d %H:%M:%S %Z};"
+                        " it can no longer be decided. Prepare it again from current inputs.")
+    job = approval.job
+    if (verb == "approve" and durable_settings.FOUR_EYES and job.submitted_by
+            and job.submitted_by == _actor(user)):
+        raise DecisionForbidden(
+            f"You submitted job {job.pk}; four-eyes approval needs another person to approve it."
+        )
+    states = _states(approval)
+    if job.state != states.approval:
+        raise DecisionRefused(
+            f"Job {job.pk} is {job.state}, no longer awaiting this approval; reload."
+        )
+    return approval, states, now
+
+
+def approve(approval_id, seen_hash, user, note=""):
+    """Approve exactly the proposal with ``seen_hash``: its action becomes due for dispatch."""
+    note = (note or "").strip()
+    with transaction.atomic():
+        checked = _decide(approval_id, seen_hash, user, "approve")
+        if not isinstance(checked, _Expired):
+            approval, states, now = checked
+            job = approval.job
+            row_count = Outbox.objects.filter(
+                job_id=job.pk, kind=approval.step, status=OutboxStatus.PENDING
+            ).update(next_attempt_at=Now(), last_error="", updated=Now())
+            if not row_count:
+                raise DecisionRefused(
+                    f"Job {job.pk} has no pending action for {approval.step}; reload."
+                )
+            Approval.objects.filter(pk=approval.pk).update(
+                status=ApprovalStatus.APPROVED, decided_by=user if _is_person(user) else None,
+                decided_at=now, note=note,
+            )
+            ok = locking.transition(
+                job, states.in_flight, expect=states.approval, actor=_actor(user),
+                step=approval.step, kind=EventKind.APPROVAL,
+                message=f"approved: {note}".strip(": "),
+                data={"approval": approval.pk, "hash": approval.proposal_hash, "verb": "approve"},
+                fields={"next_run_at": None, "lease_until": None, "lease_owner": None},
+            )
+            if not ok:
+                raise DecisionRefused(f"Job {job.pk} moved while you were deciding; reload.")
+            _admin_log(user, approval, f"Approved {approval.proposal_hash[:12]}. {note}".strip())
+            # Wake the dispatcher as soon as this commits, rather than at its next poll.
+            locking.notify("durable_outbox", job.pk)
+    if isinstance(checked, _Expired):
+        raise DecisionRefused(str(checked))
+    approval.refresh_from_db()
+    return approval
+
+
+def reject(approval_id, seen_hash, user, reason):
+    """Reject the proposal with ``seen_hash``: its action is cancelled, the job goes where the step says."""
+    reason = (reason or "").strip()
+    if not reason:
+        raise DecisionRefused("A rejection needs a reason: say what is wrong with the proposal.")
+    with transaction.atomic():
+        checked = _decide(approval_id, seen_hash, user, "reject")
+        if not isinstance(checked, _Expired):
+            approval, states, now = checked
+            job = approval.job
+            target = job.definition.steps_by_name[approval.step].on_reject
+            Approval.objects.filter(pk=approval.pk).update(
+                status=ApprovalStatus.REJECTED, decided_by=user if _is_person(user) else None,
+                decided_at=now, note=reason,
+            )
+            Outbox.objects.filter(
+                job_id=job.pk, kind=approval.step, status=OutboxStatus.PENDING
+            ).update(status=OutboxStatus.CANCELLED, next_attempt_at=None,
+                     last_error=f"rejected: {reason}", updated=Now())
+            ok = locking.transition(
+                job, target, expect=states.approval, actor=_actor(user), step=approval.step,
+                kind=EventKind.APPROVAL, message=f"rejected: {reason}",
+                data={"approval": approval.pk, "hash": approval.proposal_hash, "verb": "reject"},
+                fields={"next_run_at": None, "lease_until": None, "lease_owner": None,
+                        "last_error": f"proposal rejected: {reason}"},
+            )
+            if not ok:
+                raise DecisionRefused(f"Job {job.pk} moved while you were deciding; reload.")
+            _admin_log(user, approval, f"Rejected {approval.proposal_hash[:12]}: {reason}")
+    if isinstance(checked, _Expired):
+        raise DecisionRefused(str(checked))
+    approval.refresh_from_db()
+    return approval
+
+
+def prepare_again(approval_id, user, reason=""):
+    """Set an expired or open proposal aside and re-run its step to propose from current inputs."""
+    if not can_decide(user):
+        raise DecisionForbidden(
+            f"You may view proposals but not ask for them again (the permission"
+            f" '{PERMISSION}' is missing)."
+        )
+    reason = (reason or "").strip()
+    with transaction.atomic():
+        approval = _locked(approval_id)
+        if approval.status not in (ApprovalStatus.REQUESTED, ApprovalStatus.EXPIRED):
+            raise DecisionRefused(_describe(approval))
+        states = _states(approval)
+        job = approval.job
+        if job.state != states.approval:
+            raise DecisionRefused(f"Job {job.pk} is {job.state}, not awaiting approval; reload.")
+        now = locking.db_now()
+        if approval.status == ApprovalStatus.REQUESTED:
+            status = ApprovalStatus.EXPIRED if approval.expires_at <= now else ApprovalStatus.SUPERSEDED
+            _close(approval, status, f"set aside by {_actor(user)} to prepare again. {reason}".strip())
+        Outbox.objects.filter(job_id=job.pk, kind=approval.step, status=OutboxStatus.PENDING).update(
+            next_attempt_at=None, last_error="set aside: preparing a new proposal", updated=Now()
+        )
+        ok = locking.transition(
+            job, states.before, expect=states.approval, actor=_actor(user), step=approval.step,
+            kind=EventKind.APPROVAL, message=f"prepare again: {reason}".strip(": "),
+            data={"approval": approval.pk, "verb": "prepare_again"},
+            fields={"next_run_at": Now(), "attempts": 0, "lease_until": None,
+                    "lease_owner": None},
+        )
+        if not ok:
+            raise DecisionRefused(f"Job {job.pk} moved while you were acting on it; reload.")
+        _admin_log(user, approval, f"Prepare again. {reason}".strip())
+        locking.notify("durable_jobs", job.workflow)
+    return job
+
+
+def expire_due():
+    """Mark open requests past their expiry as expired (database clock); return how many."""
+    with transaction.atomic():
+        due = list(
+            Approval.objects.select_for_update().filter(
+                status=ApprovalStatus.REQUESTED, expires_at__lte=Now()
+            )
+        )
+        for approval in due:
+            _close(approval, ApprovalStatus.EXPIRED, "nobody decided before it expired")
+    return len(due)
+
+
+# What the approval pages show --------------------------------------------------------------
+
+
+def queue():
+    """Open proposals, oldest first."""
+    return (
+        Approval.objects.pending().select_related("job").order_by("requested_at", "id")
+    )
+
+
+def cost_so_far(job_id):
+    """The job's recorded cost: the sum of its memos' costs."""
+    return StepResult.objects.filter(job_id=job_id).aggregate(total=Sum("cost"))["total"] or Decimal(0)
+
+
+def diff(current, values):
+    """Rows comparing the target record now with the record after the proposal is applied."""
+    if not isinstance(current, dict):
+        return []
+    rows = []
+    for key in sorted(set(current) | set(values), key=str):
+        before = current.get(key)
+        after = values.get(key, before)
+        rows.append({
+            "field": key,
+            "before": before,
+            "after": after,
+            "new": key not in current,
+            "changed": key in values and (key not in current
+                                          or canonical_json(before) != canonical_json(after)),
+        })
+    return rows
+
+
+def current_record(approval):
+    """The target record as the workflow reads it now, or None when it cannot tell."""
+    job = approval.job
+    try:
+        workflow = registry.get(job.workflow)
+        st = workflow.steps_by_name[approval.step]
+        proposal = approval.proposal
+        action = Action(proposal["destination"], proposal["operation"], proposal["values"],
+                        approval.summary)
+        return workflow.current_record(action, context_for(job, st))
+    except Exception:  # noqa: BLE001 - the page still shows the proposal without a diff
+        logger.exception("current_record failed for approval %s", approval.pk)
+        return None

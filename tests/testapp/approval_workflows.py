@@ -1,0 +1,95 @@
+"""Workflows whose actions need approval: refunds against an order record kept in a file.
+
+The order record stands for the rows a plan is prepared from. Tests (and operators in
+the drills) change it between proposal and dispatch; its ``version`` is the input
+version, so a changed record makes an approval stale. Steps that record executions
+append to the payload's ``log`` file (see ``record``).
+"""
+
+import json
+import os
+from decimal import Decimal
+
+from durable import Action, Output, Workflow, step
+
+from .workflows import record
+
+
+def read_order(path):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def write_order(path, **changes):
+    """Create or change the order record; every write bumps its version."""
+    order = read_order(path) if os.path.exists(path) else {"version": 0}
+    order.update(changes)
+    order["version"] += 1
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(order, f)
+    os.replace(tmp, path)
+    return order
+
+
+class Refund(Workflow):
+    """Assess a complaint (a model call), then refund the order: always approved by a person."""
+
+    name = "refund"
+
+    @step(working="assessing", done="assessed")
+    def assess(self, payload, ctx):
+        record(payload, f"{ctx.job_id} assess")
+        return Output({"reason": payload.get("reason", "damaged in transit")}, cost=Decimal("0.02"))
+
+    @step(working="proposing", done="refunded", approval=True)
+    def refund(self, data, ctx):
+        # The action step reads the record itself: earlier memos are frozen, and a
+        # proposal prepared again must start from what the record says now.
+        order = read_order(ctx.payload["order_file"])
+        record(ctx.payload, f"{ctx.job_id} propose v{order['version']}")
+        ctx.cost("0.01")
+        return Action(
+            destination=ctx.payload.get("destination", "crm"),
+            operation="refund",
+            values={
+                "order": order["id"],
+                "amount": Decimal(order["amount"]),
+                "currency": order.get("currency", "EUR"),
+                "reason": data["reason"],
+            },
+        )
+
+    def input_version(self, job, ctx):
+        return f"order {read_order(job.payload['order_file'])['version']}"
+
+    def summarize(self, action, ctx):
+        v = action.values
+        return f"Refund {v['currency']} {v['amount']} to order #{v['order']}"
+
+    def current_record(self, action, ctx):
+        order = read_order(ctx.payload["order_file"])
+        return {"order": order["id"], "amount": order["amount"],
+                "currency": order.get("currency", "EUR"), "refunded": order.get("refunded", "0.00")}
+
+
+class RefundAbove(Refund):
+    """Refunds that need approval only above 100: small ones go straight to the outbox."""
+
+    name = "refund_above"
+
+    @step(working="proposing", done="refunded",
+          approval=lambda action, ctx: Decimal(str(action.values["amount"])) > 100)
+    def refund(self, data, ctx):
+        return Refund.refund(self, data, ctx)
+
+
+class RefundReview(Refund):
+    """Rejections go to a person (needs_human) rather than cancelling; approvals last 10 minutes."""
+
+    name = "refund_review"
+
+    @step(working="proposing", done="refunded", approval=True, approval_expiry=600,
+          on_reject="needs_human")
+    def refund(self, data, ctx):
+        return Refund.refund(self, data, ctx)
