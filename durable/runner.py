@@ -44,10 +44,16 @@ class Started:
 class Runner:
     """Executes steps of claimed jobs for one worker process."""
 
-    def __init__(self, owner, heartbeat=None, lease_seconds=None):
+    def __init__(self, owner, heartbeat=None, lease_seconds=None, workflows=None, queues=None,
+                 chain=True):
         self.owner = owner
         self.heartbeat = heartbeat
         self.lease_seconds = lease_seconds or durable_settings.LEASE_SECONDS
+        self.workflows = workflows
+        self.queues = queues
+        # Claim the next job in the transaction that finishes the last one: a job then
+        # costs one commit per step and nothing more.
+        self.chain = chain
         self.stopping = False
 
     # Claiming and starting -------------------------------------------------------
@@ -55,12 +61,17 @@ class Runner:
     def claim(self, workflows=None, queues=None):
         """Claim a due job and start its next step, in one transaction (one commit)."""
         with transaction.atomic():
-            claimed = locking.claim_job(self.owner, self.lease_seconds, workflows, queues)
-            if claimed is None:
-                return None
-            started = self._start(claimed)
-        faults.point("after_claim")
+            started = self._claim_and_start(workflows, queues)
+        if started is not None:
+            faults.point("after_claim")
         return started
+
+    def _claim_and_start(self, workflows=None, queues=None):
+        claimed = locking.claim_job(self.owner, self.lease_seconds, workflows or self.workflows,
+                                    queues or self.queues)
+        if claimed is None:
+            return None
+        return self._start(claimed)
 
     def _start(self, claimed):
         try:
@@ -118,7 +129,10 @@ class Runner:
             return None
         claimed.state = states.working
         claimed.attempts = attempt
-        return Started(claimed, workflow, step, states, attempt)
+        started = Started(claimed, workflow, step, states, attempt)
+        if kind == StateKind.INITIAL and attempt == 1:
+            started.memos = {}  # a job that never ran has no memos: skip the lookup
+        return started
 
     def _park(self, claimed, message):
         Job.objects.filter(pk=claimed.id, lease_token=claimed.lease_token).update(
@@ -215,6 +229,7 @@ class Runner:
             fields["result"] = output
         if terminal:
             faults.point("before_final_transition")
+        following = None
         with transaction.atomic():
             ok = locking.transition(
                 claimed, path, token=token, actor=self.owner, step=step.name, table=table,
@@ -230,6 +245,8 @@ class Runner:
                     job_id=claimed.id, step=step.name, output=output, cost=cost,
                     duration=duration, attempt=started.attempt, workflow=started.workflow.name,
                 )
+            if not keep_going and self.chain and not self.stopping:
+                following = self._claim_and_start()
         faults.point("after_final_transition" if terminal else "after_commit")
         started.memos[step.name] = output
         logger.info(
@@ -241,7 +258,9 @@ class Runner:
         if terminal and job_finished.has_listeners():
             job_finished.send(started.workflow.name, job_id=claimed.id, state=claimed.state)
         if not keep_going:
-            return None
+            if following is not None:
+                faults.point("after_claim")
+            return following
         started.step = started.workflow.steps_by_name[nxt.step]
         started.states = nxt
         started.attempt = 1

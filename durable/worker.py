@@ -180,7 +180,8 @@ class Worker:
         self.burst = burst
         self.lease_seconds = lease_seconds or durable_settings.LEASE_SECONDS
         self.heartbeat = Heartbeat(self.lease_seconds)
-        self.runner = Runner(self.name, self.heartbeat, self.lease_seconds)
+        self.runner = Runner(self.name, self.heartbeat, self.lease_seconds, self.workflows,
+                             self.queues)
         self.waiter = Waiter(poll_interval or durable_settings.POLL_INTERVAL)
         self._stopping = False
         self._signals = 0

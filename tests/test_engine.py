@@ -262,3 +262,19 @@ def test_a_non_json_step_output_is_poison():
         assert "not JSON-serialisable" in job.last_error
     finally:
         registry.unregister("bad_output")
+
+
+def test_a_job_costs_one_commit_per_step_and_the_next_claim_rides_on_the_last(monkeypatch):
+    from django.db import connection
+
+    for i in range(3):
+        durable.submit("recorded", f"j{i}", {})
+    commits = []
+    real_commit = connection.commit
+    monkeypatch.setattr(connection, "commit", lambda: (commits.append(1), real_commit())[1])
+    runner = Runner("inline")
+    runner.run(runner.claim())
+    assert Job.objects.filter(state="c_done").count() == 3
+    # One commit for the first claim, then one per step (3 jobs x 3 steps); the claims
+    # of the second and third job ride on the commit that finished the one before.
+    assert len(commits) == 1 + 9
