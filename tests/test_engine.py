@@ -264,6 +264,7 @@ def test_a_non_json_step_output_is_poison():
         registry.unregister("bad_output")
 
 
+@pytest.mark.django_db(transaction=True)
 def test_a_job_costs_one_commit_per_step_and_the_next_claim_rides_on_the_last(monkeypatch):
     from django.db import connection
 
