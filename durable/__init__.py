@@ -34,6 +34,7 @@ __all__ = [
     "UnknownWorkflow",
     "Wait",
     "Workflow",
+    "enqueue",
     "registry",
     "step",
     "submit",
@@ -45,3 +46,10 @@ def submit(workflow, key, payload, **kwargs):
     from .services import submit as _submit
 
     return _submit(workflow, key, payload, **kwargs)
+
+
+def enqueue(task, *args, key=None, **kwargs):
+    """Enqueue a ``@task`` on DurableBackend under the idempotency ``key``; returns its TaskResult."""
+    from .tasks import enqueue as _enqueue
+
+    return _enqueue(task, *args, key=key, **kwargs)

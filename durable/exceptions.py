@@ -86,3 +86,25 @@ class DecisionRefused(OperatorError):
 
 class DecisionForbidden(DecisionRefused):
     """The user may not decide this proposal (no permission, or four-eyes). Nothing changed."""
+
+
+# Tasks run through durable.tasks.DurableBackend.
+
+
+class TaskAttemptFailed(RetryableError):
+    """One attempt of a task raised; its backoff chose to run it again after ``retry_after``."""
+
+
+class TaskFailed(PermanentError):
+    """A task failed for good: its backoff refused a retry, or it ran out of attempts.
+
+    The job stays in its failed state; an operator may requeue it once the cause is fixed.
+    """
+
+
+class TaskNotFound(DurableError, LookupError):
+    """A task job names a function that cannot be imported. The job is kept; deploy, then requeue."""
+
+
+class TaskCancelled(DurableError):
+    """An operator cancelled the task's job before it succeeded; it will not run again."""

@@ -101,6 +101,10 @@ DURABLE = {
     "STEP_TIMEOUT": env.float("DURABLE_STEP_TIMEOUT", default=30),
 }
 
+# Plain @task functions (Django 6's django.tasks, or the django-tasks backport on
+# Django 5.2) run as durable jobs: leases, retries, the console.
+TASKS = {"default": {"BACKEND": "durable.tasks.DurableBackend"}}
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,

@@ -1,0 +1,493 @@
+"""A ``django.tasks`` backend: every ``@task`` call becomes a one-step durable job.
+
+    TASKS = {"default": {"BACKEND": "durable.tasks.DurableBackend"}}
+
+Works with Django 6's ``django.tasks`` and with the ``django-tasks`` backport
+(``django_tasks``) on Django 5.2. An enqueued task is a job of the built-in
+``django_task`` workflow: it is claimed under a lease, retried with full jitter,
+parked as failed when it is poison, shown in the console and run by
+``runworkers`` like any other job. The job's key is the task result's id.
+
+Nothing here imports models at module level: Django imports this module when a
+``@task`` is declared, which may happen while apps are still loading.
+"""
+
+import contextlib
+import contextvars
+import logging
+import traceback
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from django.conf import settings
+from django.core import checks
+from django.core.exceptions import ImproperlyConfigured
+from django.utils.module_loading import import_string
+
+from .conf import durable_settings
+from .exceptions import PayloadInvalid, TaskAttemptFailed, TaskFailed, TaskNotFound
+from .retry import backoff as full_jitter_delay
+from .retry import classify
+from .signals import job_finished, step_finished
+from .states import StateKind
+from .workflows import Output, Retry, Workflow, registry, step
+
+logger = logging.getLogger("durable.tasks")
+
+WORKFLOW = "django_task"
+
+# The framework: Django 6's own, else the backport. Both read settings.TASKS; a site
+# on Django 6 with the backport also installed uses Django's.
+try:
+    from django.tasks import TaskContext, TaskResult, TaskResultStatus, task_backends
+    from django.tasks.backends.base import BaseTaskBackend
+    from django.tasks.base import DEFAULT_TASK_BACKEND_ALIAS, Task, TaskError
+    from django.tasks.exceptions import InvalidTask, TaskResultDoesNotExist
+    from django.tasks.signals import task_enqueued, task_finished, task_started
+    from django.utils.json import normalize_json
+
+    FRAMEWORK = "django.tasks"
+except ImportError:
+    try:
+        from django_tasks import TaskContext, TaskResult, TaskResultStatus, task_backends
+        from django_tasks.backends.base import BaseTaskBackend
+        from django_tasks.base import DEFAULT_TASK_BACKEND_ALIAS, Task, TaskError
+        from django_tasks.exceptions import InvalidTaskError as InvalidTask
+        from django_tasks.exceptions import TaskResultDoesNotExist
+        from django_tasks.signals import task_enqueued, task_finished, task_started
+        from django_tasks.utils import normalize_json
+
+        FRAMEWORK = "django_tasks"
+    except ImportError:
+        FRAMEWORK = None
+
+__all__ = ["DurableBackend", "DurableTask", "enqueue", "full_jitter", "idempotency_key"]
+
+
+# Retry policy --------------------------------------------------------------------------
+
+
+def full_jitter(*, base=None, cap=None, retry_on=(), poison_on=(), retry_unknown=False):
+    """A backoff for ``@task(backoff=...)``: durable's classification and full jitter.
+
+    Returns ``backoff(exception, task_result) -> seconds | None``; ``None`` means the
+    failure is poison and the task is not retried. ``base``/``cap`` default to the
+    DURABLE settings; ``retry_on``/``poison_on``/``retry_unknown`` mean what they
+    mean in ``durable.Retry``.
+    """
+    policy = Retry(retry_on=tuple(retry_on), poison_on=tuple(poison_on),
+                   retry_unknown=retry_unknown)
+
+    def backoff(exception, task_result):
+        decision = classify(exception, policy)
+        if not decision.retryable:
+            return None
+        if decision.retry_after is not None:
+            return decision.retry_after
+        b = durable_settings.BACKOFF_BASE if base is None else base
+        c = durable_settings.BACKOFF_CAP if cap is None else cap
+        return full_jitter_delay(max(task_result.attempts - 1, 0), b, c)
+
+    return backoff
+
+
+default_backoff = full_jitter()
+
+
+# Idempotent enqueue --------------------------------------------------------------------
+
+_key = contextvars.ContextVar("durable_task_key", default=None)
+
+
+@contextlib.contextmanager
+def idempotency_key(key):
+    """Enqueue tasks in this block under ``key``: the same key again returns the first result."""
+    _check_key(key)
+    token = _key.set(key)
+    try:
+        yield key
+    finally:
+        _key.reset(token)
+
+
+def enqueue(task, *args, key=None, **kwargs):
+    """Enqueue ``task`` under the idempotency ``key``; the same key again returns its result."""
+    backend = task.get_backend()
+    if not isinstance(backend, DurableBackend):
+        raise InvalidTask(
+            f"Task {task.module_path} runs on backend {task.backend!r} "
+            f"({type(backend).__name__}), not durable.tasks.DurableBackend"
+        )
+    if key is None:
+        return task.enqueue(*args, **kwargs)
+    with idempotency_key(key):
+        return task.enqueue(*args, **kwargs)
+
+
+def _check_key(key):
+    if not isinstance(key, str) or not key or len(key) > 255:
+        raise PayloadInvalid("A task's idempotency key must be a non-empty string of at most"
+                             f" 255 characters, not {key!r}")
+
+
+def _key_for(task, args, kwargs):
+    key = _key.get()
+    if key is None:
+        template = getattr(task, "key", None)
+        if callable(template):
+            key = template(*args, **kwargs)
+        elif template is not None:
+            key = template.format(*args, **kwargs)
+    if key is not None:
+        _check_key(key)
+    return key
+
+
+# The workflow every task runs as -------------------------------------------------------
+
+
+class TaskWorkflow(Workflow, register=False):
+    """One step that imports the task function by its path and calls it."""
+
+    name = WORKFLOW
+    version = 1
+
+    # Attempts and backoff come from the task (see run()); the engine's own limit only
+    # has to stay out of the way. Crash loops are bounded by run(), which counts the
+    # attempts that died with their worker, too.
+    @step(working="running", done="succeeded", retry=Retry(max_attempts=10**6))
+    def run(self, payload, ctx):
+        task = load_task(payload["task"])
+        backend = _backend(payload.get("backend"))
+        max_attempts = _max_attempts(task, backend)
+        if ctx.attempt > max_attempts:
+            raise TaskFailed(f"gave up after {max_attempts} attempts: the worker running it was "
+                             "lost each time (killed, or past the step timeout)")
+        result = _build_result(ctx.job_id, task=task)
+        _send(task_started, backend, result)
+        args, kwargs = payload.get("args", []), payload.get("kwargs", {})
+        try:
+            if task.takes_context:
+                value = task.call(TaskContext(task_result=result), *args, **kwargs)
+            else:
+                value = task.call(*args, **kwargs)
+            if isinstance(value, Output):
+                return Output(normalize_json(value.value), cost=value.cost)
+            return normalize_json(value)
+        except Exception as exc:  # noqa: BLE001 - the task's policy decides below
+            raise _decide(exc, task, backend, ctx, max_attempts) from exc
+
+
+def _decide(exc, task, backend, ctx, max_attempts):
+    """The exception the engine sees: a retry after the task's backoff, or final failure."""
+    logger.warning("task %s job=%s attempt %d raised:\n%s", task.module_path, ctx.job_id,
+                   ctx.attempt, "".join(traceback.format_exception(exc)).rstrip())
+    message = f"{_class_path(type(exc))}: {exc}" if str(exc) else _class_path(type(exc))
+    backoff = _backoff(task, backend)
+    delay = backoff(exc, _build_result(ctx.job_id, task=task)) if backoff else None
+    if delay is None:
+        return TaskFailed(message)
+    if ctx.attempt >= max_attempts:
+        return TaskFailed(f"{message} (gave up after {ctx.attempt} attempts)")
+    return TaskAttemptFailed(message, retry_after=max(0.0, float(delay)))
+
+
+def _class_path(cls):
+    if cls.__module__ == "builtins":
+        return cls.__qualname__
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _max_attempts(task, backend):
+    value = getattr(task, "max_attempts", None)
+    if value is None and backend is not None:
+        value = backend.max_attempts
+    return value if value is not None else durable_settings.MAX_ATTEMPTS
+
+
+def _backoff(task, backend):
+    value = getattr(task, "backoff", None)
+    if value is None and backend is not None:
+        value = backend.backoff
+    return value if value is not None else default_backoff
+
+
+def _backend(alias):
+    if FRAMEWORK is None:
+        return None
+    try:
+        backend = task_backends[alias or DEFAULT_TASK_BACKEND_ALIAS]
+    except Exception:  # noqa: BLE001 - an alias removed from TASKS: fall back to defaults
+        return None
+    return backend if isinstance(backend, DurableBackend) else None
+
+
+def load_task(path):
+    """The Task object a job names, imported by its module path."""
+    try:
+        obj = import_string(path)
+    except ImportError as exc:
+        raise TaskNotFound(f"The task {path} cannot be imported ({exc}); the job is kept: "
+                           "deploy the code, then requeue it") from None
+    if FRAMEWORK is None or not isinstance(obj, Task):
+        raise TaskNotFound(f"{path} is not a task (decorate it with @task); the job is kept")
+    return obj
+
+
+def register():
+    """Register the ``django_task`` workflow (idempotent)."""
+    if WORKFLOW not in registry:
+        registry.register(TaskWorkflow)
+
+
+def register_if_configured():
+    """Register the workflow in every process whose TASKS setting uses DurableBackend."""
+    for config in (getattr(settings, "TASKS", None) or {}).values():
+        path = config.get("BACKEND", "") if isinstance(config, dict) else ""
+        if path == "durable.tasks.DurableBackend":
+            register()
+            return
+        with contextlib.suppress(ImportError, AttributeError):
+            if path and issubclass(import_string(path), DurableBackend):
+                register()
+                return
+
+
+# Results -------------------------------------------------------------------------------
+
+
+def _status(job, table):
+    kind = table.kinds.get(job.state)
+    if kind in (StateKind.INITIAL, StateKind.READY):
+        return TaskResultStatus.READY
+    if kind == StateKind.TERMINAL:
+        return TaskResultStatus.FAILED if job.state == "cancelled" else TaskResultStatus.SUCCESSFUL
+    if kind == StateKind.FAILED:
+        return TaskResultStatus.FAILED
+    # Working, and every waiting state (timer, approval, action in flight, unknown
+    # result, needs a human): the task has started and has not finished.
+    return TaskResultStatus.RUNNING
+
+
+_WRAPPERS = ("TaskAttemptFailed: ", "TaskFailed: ")
+
+
+def _error(message):
+    """A TaskError from an engine error line such as ``TaskFailed: ValueError: bad``."""
+    text = message
+    for prefix in _WRAPPERS:
+        if text.startswith(prefix):
+            text = text[len(prefix):]
+            break
+    name = text.split(":", 1)[0].split(" ", 1)[0]
+    if "." not in name:
+        import builtins
+
+        from . import exceptions
+
+        if isinstance(getattr(builtins, name, None), type):
+            name = f"builtins.{name}"
+        elif isinstance(getattr(exceptions, name, None), type):
+            name = f"durable.exceptions.{name}"
+        else:
+            name = "durable.exceptions.TaskFailed"
+    return TaskError(exception_class_path=name, traceback=message)
+
+
+def _build_result(job_id, task=None, job=None):
+    from .models import EventKind, Job, JobEvent
+
+    if job is None:
+        job = Job.objects.filter(pk=job_id, workflow=WORKFLOW).first()
+        if job is None:
+            raise TaskResultDoesNotExist(job_id)
+    payload = job.payload or {}
+    if task is None:
+        task = load_task(payload.get("task", ""))
+    queue = payload.get("queue_name", job.queue)
+    if task.queue_name != queue:
+        task = task.using(queue_name=queue)
+    table = registry.get(WORKFLOW).table if WORKFLOW in registry else TaskWorkflow.build_table()
+    status = _status(job, table)
+    events = JobEvent.objects.filter(
+        job_id=job.pk,
+        kind__in=[EventKind.CLAIMED, EventKind.RECLAIMED, EventKind.RETRY, EventKind.FAILED,
+                  EventKind.OPERATOR],
+    ).order_by("id").values_list("kind", "at", "actor", "message", "to_state")
+    attempts, errors = [], []
+    for kind, at, actor, message, to_state in events:
+        if kind in (EventKind.CLAIMED, EventKind.RECLAIMED):
+            attempts.append((at, actor))
+        elif kind in (EventKind.RETRY, EventKind.FAILED):
+            errors.append(_error(message))
+        elif kind == EventKind.OPERATOR and to_state == "cancelled":
+            errors.append(TaskError(exception_class_path="durable.exceptions.TaskCancelled",
+                                    traceback=message or "cancelled by an operator"))
+    finished = status in (TaskResultStatus.SUCCESSFUL, TaskResultStatus.FAILED)
+    result = TaskResult(
+        task=task,
+        id=job.pk,
+        status=status,
+        enqueued_at=job.created,
+        started_at=attempts[0][0] if attempts else None,
+        last_attempted_at=attempts[-1][0] if attempts else None,
+        finished_at=job.updated if finished else None,
+        args=payload.get("args", []),
+        kwargs=payload.get("kwargs", {}),
+        backend=payload.get("backend", task.backend),
+        errors=errors,
+        worker_ids=[actor for _, actor in attempts],
+    )
+    if status == TaskResultStatus.SUCCESSFUL:
+        object.__setattr__(result, "_return_value", job.result)
+    return result
+
+
+def _send(signal, backend, result):
+    # A listener's bug must not take a worker down or undo a committed step.
+    sender = type(backend) if backend is not None else DurableBackend
+    for receiver, response in signal.send_robust(sender=sender, task_result=result):
+        if isinstance(response, Exception):
+            logger.error("%s receiver %r failed for task %s: %r", "task signal", receiver,
+                         result.id, response)
+
+
+# Connected for every sender and filtered here: the runner asks has_listeners()
+# without a sender before sending, which does not count sender-specific receivers.
+def _on_job_finished(sender, job_id, **kwargs):
+    if sender == WORKFLOW:
+        _finished(job_id)
+
+
+def _on_step_finished(sender, job_id, outcome, **kwargs):
+    if sender == WORKFLOW and outcome == "failed":
+        _finished(job_id)
+
+
+def _finished(job_id):
+    if not task_finished.receivers:
+        return
+    try:
+        result = _build_result(job_id)
+    except Exception:  # noqa: BLE001 - the job is committed; only the signal is lost
+        logger.exception("could not build the result of task job %s for task_finished", job_id)
+        return
+    _send(task_finished, _backend(result.backend), result)
+
+
+# The backend ---------------------------------------------------------------------------
+
+if FRAMEWORK is not None:
+    # Django 6.1 and the backport pass @task(**kwargs) to the backend's task class.
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class DurableTask(Task):
+        """A Task with durable's options: ``key``, ``max_attempts`` and ``backoff``."""
+
+        # The idempotency key of each call: a callable(*args, **kwargs) or a
+        # str.format template ("welcome-{0}", "invoice-{invoice_id}").
+        key: Callable | str | None = None
+        # Attempts before the task fails for good (default: the backend's
+        # MAX_ATTEMPTS, then DURABLE["MAX_ATTEMPTS"]).
+        max_attempts: int | None = None
+        # backoff(exception, task_result) -> seconds, or None to stop retrying.
+        backoff: Callable | None = None
+
+    class DurableBackend(BaseTaskBackend):
+        """Runs tasks as durable jobs: leases, full-jitter retries, poison, the console."""
+
+        task_class = DurableTask
+        supports_defer = True
+        supports_async_task = True
+        supports_get_result = True
+        # Workers claim by due time; an order by priority is not offered rather than
+        # approximated.
+        supports_priority = False
+
+        def __init__(self, alias, params):
+            super().__init__(alias, params)
+            self.max_attempts = params.get("MAX_ATTEMPTS", self.options.get("MAX_ATTEMPTS"))
+            backoff = params.get("BACKOFF", self.options.get("BACKOFF"))
+            self.backoff = import_string(backoff) if isinstance(backoff, str) else backoff
+            register()
+
+        def validate_task(self, task):
+            super().validate_task(task)
+            max_attempts = getattr(task, "max_attempts", None)
+            if max_attempts is not None and (
+                not isinstance(max_attempts, int) or isinstance(max_attempts, bool)
+                or max_attempts < 1
+            ):
+                raise InvalidTask(f"max_attempts must be a whole number of at least 1, "
+                                  f"not {max_attempts!r}")
+            backoff = getattr(task, "backoff", None)
+            if backoff is not None and not callable(backoff):
+                raise InvalidTask("backoff must be a callable(exception, task_result) -> seconds"
+                                  " or None")
+            key = getattr(task, "key", None)
+            if key is not None and not (callable(key) or isinstance(key, str)):
+                raise InvalidTask("key must be a callable(*args, **kwargs) -> str or a"
+                                  " str.format template")
+
+        def enqueue(self, task, args, kwargs):
+            """Submit a one-step job, in the caller's transaction; a known key returns its result."""
+            from . import services
+            from .models import Job
+
+            self.validate_task(task)
+            try:
+                args, kwargs = normalize_json(list(args)), normalize_json(dict(kwargs))
+            except (TypeError, ValueError) as exc:
+                raise PayloadInvalid(f"The arguments of task {task.module_path} are not "
+                                     f"JSON: {exc}") from None
+            key = _key_for(task, args, kwargs)
+            payload = {"task": task.module_path, "args": args, "kwargs": kwargs,
+                       "backend": self.alias, "queue_name": task.queue_name}
+            existed = key is not None and Job.objects.filter(pk=key).exists()
+            job = services.submit(
+                WORKFLOW, key or uuid.uuid4().hex, payload, run_after=task.run_after,
+                queue=task.queue_name,
+            )
+            if existed:
+                return _build_result(job.pk, task=task)
+            result = TaskResult(
+                task=task, id=job.pk, status=TaskResultStatus.READY, enqueued_at=job.created,
+                started_at=None, last_attempted_at=None, finished_at=None, args=args,
+                kwargs=kwargs, backend=self.alias, errors=[], worker_ids=[],
+            )
+            # Sent once the job exists for everyone: a rolled-back enqueue never happened.
+            from django.db import transaction
+
+            transaction.on_commit(lambda: _send(task_enqueued, self, result))
+            return result
+
+        def get_result(self, result_id):
+            """The task result of job ``result_id``; TaskResultDoesNotExist if there is none."""
+            return _build_result(str(result_id))
+
+        def check(self, **kwargs):
+            from django.apps import apps
+
+            if not apps.is_installed("durable"):
+                yield checks.Error(
+                    f"TASKS[{self.alias!r}] uses durable.tasks.DurableBackend, but 'durable' is"
+                    " not in INSTALLED_APPS.",
+                    hint="Add 'durable' to INSTALLED_APPS and run migrate.",
+                    id="durable.E101",
+                )
+
+    step_finished.connect(_on_step_finished, dispatch_uid="durable.tasks.step")
+    job_finished.connect(_on_job_finished, dispatch_uid="durable.tasks.job")
+
+else:
+
+    class DurableBackend:
+        """Stands in when neither django.tasks nor the django-tasks backport is installed."""
+
+        def __init__(self, *args, **kwargs):
+            raise ImproperlyConfigured(
+                "durable.tasks.DurableBackend needs Django 6's django.tasks, or on Django 5.2"
+                " the django-tasks backport: pip install 'django-durable[tasks]'"
+            )
+
+    DurableTask = None
