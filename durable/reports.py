@@ -1,0 +1,573 @@
+"""The questions operators ask, answered as plain data: the four queries and the alerts.
+
+The dashboard, ``manage.py durable status`` and metrics all call these functions;
+nothing here renders. Every answer carries the database time it was computed at
+(``now``) and the scope it covers, so whoever shows a number can label it.
+
+Ages follow the first article: a job's age is the time since its row last changed
+(``now - updated``), which is the time since it entered its state or was last claimed.
+"""
+
+import datetime
+import hashlib
+import re
+from dataclasses import dataclass, field
+from decimal import Decimal
+
+from django.db.models import (
+    Avg,
+    Count,
+    DurationField,
+    ExpressionWrapper,
+    F,
+    Max,
+    Min,
+    OuterRef,
+    Q,
+    Subquery,
+    Sum,
+    Value,
+)
+from django.db.models.functions import TruncDate
+
+from . import locking
+from .conf import durable_settings
+from .models import Approval, Job, JobEvent, Outbox, Pause, StepResult
+from .states import StateKind
+from .workflows import registry
+
+DEFAULT_WINDOW = datetime.timedelta(minutes=15)
+COST_WINDOW = datetime.timedelta(hours=24)
+STUCK_LIMIT = 50
+
+
+# Scopes: which (workflow, state) pairs are of a kind ------------------------------------
+
+
+def states_of_kind(*kinds, workflow=None):
+    """``{workflow: [states]}`` of the registered workflows whose states are of ``kinds``."""
+    found = {}
+    for wf in registry.all():
+        if workflow and wf.name != workflow:
+            continue
+        states = wf.table.states_of_kind(*kinds)
+        if states:
+            found[wf.name] = states
+    return found
+
+
+def kind_q(*kinds, workflow=None):
+    """A Q matching jobs whose state is of one of ``kinds`` in their own workflow's table."""
+    q = Q(pk__in=[])
+    for name, states in states_of_kind(*kinds, workflow=workflow).items():
+        q |= Q(workflow=name, state__in=states)
+    return q
+
+
+def failed_q(workflow=None):
+    return kind_q(StateKind.FAILED, workflow=workflow)
+
+
+def waiting_for_human_q(workflow=None):
+    """Jobs a person must act on before they move: needs a human, or awaiting approval."""
+    return kind_q(StateKind.HUMAN, StateKind.APPROVAL, workflow=workflow)
+
+
+def unfinished_q(workflow=None):
+    """Jobs not in a terminal state (unregistered workflows count as unfinished)."""
+    return ~kind_q(StateKind.TERMINAL, workflow=workflow)
+
+
+def kind_of(workflow, state):
+    """The StateKind of ``state`` in ``workflow``'s table, or None if either is unknown."""
+    if workflow not in registry:
+        return None
+    return registry.get(workflow).table.kinds.get(state)
+
+
+def _scoped(qs, workflow, field_name="workflow"):
+    return qs.filter(**{field_name: workflow}) if workflow else qs
+
+
+def _age(now):
+    return ExpressionWrapper(Value(now) - F("updated"), output_field=DurationField())
+
+
+def _seconds(value):
+    if value is None:
+        return None
+    if isinstance(value, datetime.timedelta):
+        return value.total_seconds()
+    return float(value) / 1_000_000  # SQLite without a converter: microseconds
+
+
+# 1. Where is everything? ----------------------------------------------------------------
+
+
+@dataclass
+class StateRow:
+    workflow: str
+    state: str
+    kind: StateKind | None
+    count: int
+    avg_age: float  # seconds
+    oldest_age: float  # seconds
+    # The same numbers at the start of the window, rebuilt from JobEvent (None: unknown).
+    count_before: int | None = None
+    avg_age_before: float | None = None
+    stalled: bool = False
+
+    @property
+    def is_terminal(self):
+        return self.kind == StateKind.TERMINAL
+
+    @property
+    def rising(self):
+        return self.count_before is not None and self.count > self.count_before
+
+
+@dataclass
+class Overview:
+    now: datetime.datetime
+    window: datetime.timedelta
+    workflow: str | None
+    rows: list[StateRow]
+
+    @property
+    def stalled_rows(self):
+        return [r for r in self.rows if r.stalled]
+
+    def by_workflow(self):
+        """``[(workflow, [rows])]`` in display order."""
+        grouped = {}
+        for row in self.rows:
+            grouped.setdefault(row.workflow, []).append(row)
+        return list(grouped.items())
+
+
+def where_is_everything(*, now=None, window=DEFAULT_WINDOW, workflow=None):
+    """Count, average and oldest age per workflow and state, with the trend over ``window``.
+
+    The first article's query 1, grouped by workflow as well as state. A state is
+    *stalled* when its count and its average age both rose over the window and its
+    oldest job has sat there longer than the window: jobs arrive and nothing moves.
+    Terminal states and durable timers are never stalled (jobs wait there by design).
+    """
+    now = now or locking.db_now()
+    qs = _scoped(Job.objects.all(), workflow)
+    groups = (
+        qs.values("workflow", "state")
+        .annotate(count=Count("pk"), avg_age=Avg(_age(now)), oldest=Min("updated"))
+        .order_by()
+    )
+    rows = {}
+    for g in groups:
+        rows[g["workflow"], g["state"]] = StateRow(
+            workflow=g["workflow"],
+            state=g["state"],
+            kind=kind_of(g["workflow"], g["state"]),
+            count=g["count"],
+            avg_age=max(_seconds(g["avg_age"]) or 0.0, 0.0),
+            oldest_age=max((now - g["oldest"]).total_seconds(), 0.0),
+        )
+    for (wf, state), (count, avg_age) in _states_at(now - window, workflow).items():
+        row = rows.get((wf, state))
+        if row is None:
+            # Everything left this state during the window.
+            row = rows[wf, state] = StateRow(wf, state, kind_of(wf, state), 0, 0.0, 0.0)
+        row.count_before, row.avg_age_before = count, avg_age
+    for row in rows.values():
+        if row.count_before is None:
+            row.count_before, row.avg_age_before = 0, None
+        row.stalled = _is_stalled(row, window)
+    ordered = sorted(rows.values(), key=_display_order)
+    return Overview(now=now, window=window, workflow=workflow, rows=ordered)
+
+
+def _is_stalled(row, window):
+    if row.kind in (StateKind.TERMINAL, StateKind.TIMER) or not row.count:
+        return False
+    if not row.count_before or row.avg_age_before is None:
+        return False
+    return (
+        row.count > row.count_before
+        and row.avg_age > row.avg_age_before
+        and row.oldest_age >= window.total_seconds()
+    )
+
+
+def _display_order(row):
+    """Workflows by name; within one, states in the order of its transition table."""
+    order = 10_000
+    if row.workflow in registry:
+        states = list(registry.get(row.workflow).table.edges)
+        if row.state in states:
+            order = states.index(row.state)
+    return (row.workflow, order, row.state)
+
+
+def _states_at(moment, workflow=None):
+    """``{(workflow, state): (count, avg_age)}`` as they were at ``moment``, from JobEvent.
+
+    A job's state at ``moment`` is the target of its last state-changing event up to
+    then, and its age the time since its last event up to then (the events are written
+    in the same transactions that set ``updated``). Only jobs that can matter are
+    examined: those unfinished now, and those that moved since ``moment``; a job
+    finished before ``moment`` was in a terminal state then, which is never stalled.
+    """
+    movers = JobEvent.objects.filter(at__gt=moment).values("job_id")
+    jobs = _scoped(Job.objects.filter(created__lte=moment), workflow).filter(
+        unfinished_q() | Q(pk__in=movers)
+    )
+    events = JobEvent.objects.filter(job=OuterRef("pk"), at__lte=moment).order_by("-id")
+    annotated = jobs.annotate(
+        state_then=Subquery(events.exclude(to_state="").values("to_state")[:1]),
+        touched_then=Subquery(events.values("at")[:1]),
+    ).filter(state_then__isnull=False)
+    age = ExpressionWrapper(Value(moment) - F("touched_then"), output_field=DurationField())
+    result = {}
+    for g in annotated.values("workflow", "state_then").annotate(
+        count=Count("pk"), avg_age=Avg(age)
+    ).order_by():
+        result[g["workflow"], g["state_then"]] = (g["count"], max(_seconds(g["avg_age"]) or 0, 0))
+    return result
+
+
+# 2. What is stuck? ----------------------------------------------------------------------
+
+
+def stuck_jobs(*, now=None, workflow=None, limit=STUCK_LIMIT):
+    """Jobs whose lease expired while a step was being worked, oldest change first.
+
+    The article's query 2. Workers reclaim these on their next claim; a row that stays
+    here means no worker is running for its workflow (or it is paused).
+    """
+    now = now or locking.db_now()
+    qs = _scoped(Job.objects.filter(lease_owner__isnull=False, lease_until__lt=now), workflow)
+    rows = list(
+        qs.order_by("updated", "pk").values(
+            "id", "workflow", "state", "attempts", "lease_owner", "lease_until", "last_error",
+            "updated",
+        )[:limit]
+    )
+    for row in rows:
+        row["expired_for"] = (now - row["lease_until"]).total_seconds()
+    return rows
+
+
+def stuck_count(*, now=None, workflow=None):
+    now = now or locking.db_now()
+    return _scoped(
+        Job.objects.filter(lease_owner__isnull=False, lease_until__lt=now), workflow
+    ).count()
+
+
+# 3. What is failing, and is it one cause or many? ---------------------------------------
+
+_CLASS = re.compile(r"^([A-Za-z_][\w.]*)(?::\s*|$)")
+_NORMALISERS = [
+    (re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", re.I), "<uuid>"),
+    (re.compile(r"'[^']*'"), "'…'"),
+    (re.compile(r'"[^"]*"'), '"…"'),
+    (re.compile(r"\b[0-9a-f]*\d[0-9a-f]*\b", re.I), lambda m: "<n>" if len(m[0]) < 8 else "<hex>"),
+    (re.compile(r"\s+"), " "),
+]
+MESSAGE_CHARS = 160
+
+
+def split_error(text):
+    """``(error class, normalised message)`` of a ``last_error``: ids, numbers and quotes removed."""
+    text = (text or "").strip()
+    cls = ""
+    match = _CLASS.match(text)
+    if match:
+        cls, text = match[1], text[match.end():]
+    for pattern, replacement in _NORMALISERS:
+        text = pattern.sub(replacement, text)
+    return cls, text.strip()[:MESSAGE_CHARS]
+
+
+def step_of_state(workflow, state):
+    if workflow in registry:
+        states = registry.get(workflow).table.step_of(state)
+        if states is not None:
+            return states.step
+    return state.removeprefix("failed_")
+
+
+def fingerprint(workflow, state, last_error):
+    """The failure's cause: workflow, step, error class and normalised message, hashed."""
+    cls, message = split_error(last_error)
+    step = step_of_state(workflow, state)
+    digest = hashlib.sha256(f"{workflow}\0{step}\0{cls}\0{message}".encode()).hexdigest()[:16]
+    return digest, step, cls, message
+
+
+@dataclass
+class FailureGroup:
+    fingerprint: str
+    workflow: str
+    step: str
+    error_class: str
+    message: str
+    example: str
+    count: int = 0
+    first_seen: datetime.datetime | None = None
+    last_seen: datetime.datetime | None = None
+    states: set = field(default_factory=set)
+
+
+def _failed_jobs(workflow=None):
+    return _scoped(Job.objects.filter(failed_q()), workflow)
+
+
+def failure_groups(*, workflow=None):
+    """Jobs in failed states grouped by cause, most frequent first.
+
+    The article's query 3, with a sharper key than the first 60 characters: the step,
+    the error class and the message with ids, numbers and quoted values removed, so
+    "document 'a-17' not found" and "document 'b-9' not found" are one cause.
+    First and last seen are when those jobs entered their failed state.
+    """
+    groups = {}
+    rows = (
+        _failed_jobs(workflow)
+        .values("workflow", "state", "last_error")
+        .annotate(count=Count("pk"), first=Min("updated"), last=Max("updated"))
+        .order_by()
+    )
+    for row in rows:
+        digest, step, cls, message = fingerprint(row["workflow"], row["state"], row["last_error"])
+        group = groups.get(digest)
+        if group is None:
+            group = groups[digest] = FailureGroup(
+                digest, row["workflow"], step, cls, message, row["last_error"]
+            )
+        group.count += row["count"]
+        group.states.add(row["state"])
+        group.first_seen = min(filter(None, (group.first_seen, row["first"])))
+        group.last_seen = max(filter(None, (group.last_seen, row["last"])))
+    return sorted(groups.values(), key=lambda g: (-g.count, g.workflow, g.step, g.message))
+
+
+def failure_group(digest, *, workflow=None):
+    """The group with this fingerprint, or None when no failed job has it any more."""
+    return next((g for g in failure_groups(workflow=workflow) if g.fingerprint == digest), None)
+
+
+def jobs_in_failure_group(digest, *, workflow=None):
+    """A queryset of the failed jobs whose fingerprint is ``digest``."""
+    pks = [
+        pk
+        for pk, wf, state, error in _failed_jobs(workflow).values_list(
+            "pk", "workflow", "state", "last_error"
+        )
+        if fingerprint(wf, state, error)[0] == digest
+    ]
+    return Job.objects.filter(pk__in=pks)
+
+
+# 4. Which step costs the money? ---------------------------------------------------------
+
+
+def cost_per_step(*, now=None, window=COST_WINDOW, workflow=None):
+    """Count, total and mean cost of memos written in the window, per workflow and step.
+
+    The article's query 4. Money is Decimal throughout.
+    """
+    now = now or locking.db_now()
+    qs = _scoped(StepResult.objects.filter(at__gt=now - window, at__lte=now), workflow)
+    rows = list(
+        qs.values("workflow", "step")
+        .annotate(count=Count("pk"), total=Sum("cost"), mean=Avg("cost"))
+        .order_by("-total", "workflow", "step")
+    )
+    for row in rows:
+        row["total"] = Decimal(row["total"] or 0)
+        row["mean"] = Decimal(row["mean"] or 0)
+    return rows
+
+
+def cost_by_day(start, end, *, by="step", workflow=None):
+    """Cost per day for each step (or workflow) with memos written in ``[start, end)``.
+
+    Returns ``{"days": [date, ...], "series": [{"name", "workflow", "per_day", "total",
+    "count"}], "totals": [Decimal per day], "total": Decimal}``. Days are UTC dates.
+    """
+    if by not in ("step", "workflow"):
+        raise ValueError(f"cost_by_day groups by 'step' or 'workflow', not {by!r}")
+    qs = _scoped(StepResult.objects.filter(at__gte=start, at__lt=end), workflow)
+    keys = ["workflow", "step"] if by == "step" else ["workflow"]
+    rows = (
+        qs.annotate(day=TruncDate("at", tzinfo=datetime.UTC))
+        .values("day", *keys)
+        .annotate(count=Count("pk"), total=Sum("cost"))
+        .order_by()
+    )
+    days = []
+    day = start.date() if isinstance(start, datetime.datetime) else start
+    last = (end - datetime.timedelta(microseconds=1)).date() if isinstance(end, datetime.datetime) else end
+    while day <= last:
+        days.append(day)
+        day += datetime.timedelta(days=1)
+    index = {d: i for i, d in enumerate(days)}
+    series = {}
+    for row in rows:
+        name = f"{row['workflow']}.{row['step']}" if by == "step" else row["workflow"]
+        s = series.setdefault(name, {
+            "name": name, "workflow": row["workflow"], "step": row.get("step", ""),
+            "per_day": [Decimal(0)] * len(days), "total": Decimal(0), "count": 0,
+        })
+        amount = Decimal(row["total"] or 0)
+        if row["day"] in index:
+            s["per_day"][index[row["day"]]] += amount
+        s["total"] += amount
+        s["count"] += row["count"]
+    ordered = sorted(series.values(), key=lambda s: (-s["total"], s["name"]))
+    totals = [sum((s["per_day"][i] for s in ordered), Decimal(0)) for i in range(len(days))]
+    return {"days": days, "series": ordered, "totals": totals, "total": sum(totals, Decimal(0))}
+
+
+def job_costs(pks):
+    """``{job id: total cost of its memos}`` for the given jobs."""
+    return dict(
+        StepResult.objects.filter(job_id__in=list(pks))
+        .values("job_id")
+        .annotate(total=Sum("cost"))
+        .values_list("job_id", "total")
+    )
+
+
+# Alerts --------------------------------------------------------------------------------
+
+
+@dataclass
+class Alert:
+    """Something an operator must act on, and what to do about it."""
+
+    code: str  # stable identifier: oldest, failed, approvals, unknown
+    level: str  # "error" or "warning"
+    title: str
+    detail: str
+    todo: str
+    # Where to act: a console page name and its filters, for whoever renders it.
+    target: str = ""
+    params: dict = field(default_factory=dict)
+    count: int = 0
+
+
+def _human(seconds):
+    seconds = int(seconds)
+    if seconds < 120:
+        return f"{seconds} s"
+    if seconds < 7200:
+        return f"{seconds // 60} min"
+    if seconds < 172800:
+        return f"{seconds // 3600} h {seconds % 3600 // 60} min"
+    return f"{seconds // 86400} days"
+
+
+_NEXT_MOVE = {
+    StateKind.FAILED: "Find its cause under failures, fix it, then requeue the job.",
+    StateKind.HUMAN: "Open the job and send it back to the step the table allows, or cancel it.",
+    StateKind.APPROVAL: "Approve or reject its proposal in the approval queue.",
+    StateKind.UNKNOWN: "Reconcile its action: look it up again or record what happened.",
+    StateKind.IN_FLIGHT: "The dispatcher owns it: check that runworkers (with the dispatcher) runs.",
+}
+
+
+def oldest_unfinished(*, now=None, workflow=None):
+    """The job that has gone longest without moving, outside terminal states and timers."""
+    now = now or locking.db_now()
+    timers = kind_q(StateKind.TIMER, workflow=workflow)
+    return (
+        _scoped(Job.objects.filter(unfinished_q(workflow)), workflow)
+        .exclude(timers & Q(next_run_at__gt=now))
+        .order_by("updated", "pk")
+        .first()
+    )
+
+
+def alerts(*, now=None, workflow=None):
+    """The alerts that fire now; an empty list means nothing needs a person."""
+    now = now or locking.db_now()
+    found = []
+    threshold = float(durable_settings.ALERT_OLDEST_SECONDS)
+    job = oldest_unfinished(now=now, workflow=workflow)
+    if job is not None:
+        age = (now - job.updated).total_seconds()
+        if age > threshold:
+            kind = kind_of(job.workflow, job.state)
+            if kind is None:
+                todo = f"Workflow {job.workflow!r} is not registered here: deploy it, then retry the job."
+            elif job.lease_owner and job.lease_until and job.lease_until < now:
+                todo = "Its lease expired and nobody reclaimed it: check that runworkers is running."
+            elif Pause.objects.filter(workflow=job.workflow).exists():
+                todo = f"Workflow {job.workflow} is paused: resume it when it is safe."
+            else:
+                todo = _NEXT_MOVE.get(
+                    kind, "Workers should have claimed it: check that runworkers is running."
+                )
+            found.append(Alert(
+                "oldest", "error", "A job has not moved for too long",
+                f"{job.pk} ({job.workflow}) has been {job.state} for {_human(age)}; "
+                f"the threshold is {_human(threshold)}.",
+                todo, "job", {"pk": job.pk}, 1,
+            ))
+    failed = _failed_jobs(workflow).count()
+    if failed:
+        causes = len(failure_groups(workflow=workflow))
+        found.append(Alert(
+            "failed", "error",
+            f"{failed} job{'s' if failed != 1 else ''} in failed states",
+            f"{causes} distinct cause{'s' if causes != 1 else ''}. Failed states are terminal "
+            "until a person acts; nothing else will surface them.",
+            "Read the failure groups, fix the cause, then requeue the group.",
+            "failures", {}, failed,
+        ))
+    horizon = now + datetime.timedelta(seconds=float(durable_settings.ALERT_APPROVAL_EXPIRY_SECONDS))
+    expiring = _scoped(
+        Approval.objects.pending().filter(expires_at__lte=horizon), workflow, "job__workflow"
+    )
+    count = expiring.count()
+    if count:
+        soonest = expiring.order_by("expires_at").values_list("expires_at", flat=True).first()
+        left = (soonest - now).total_seconds()
+        when = f"the first in {_human(left)}" if left > 0 else "some have already expired"
+        found.append(Alert(
+            "approvals", "warning",
+            f"{count} approval{'s' if count != 1 else ''} about to expire",
+            f"Pending proposals expire soon ({when}); an expired one must be proposed again.",
+            "Decide them in the approval queue.",
+            "approvals", {}, count,
+        ))
+    unknown = _scoped(Outbox.objects.unknown(), workflow, "job__workflow").count()
+    if unknown:
+        found.append(Alert(
+            "unknown", "error",
+            f"{unknown} action{'s' if unknown != 1 else ''} with an unknown result",
+            "They were sent but nobody knows whether they happened; their jobs wait, and no "
+            "new write goes out for them until they are settled.",
+            "Open reconciliation: look each one up again, or record what happened.",
+            "reconcile", {}, unknown,
+        ))
+    return found
+
+
+# Everything at once ---------------------------------------------------------------------
+
+
+def status(*, now=None, window=DEFAULT_WINDOW, cost_window=COST_WINDOW, workflow=None):
+    """The four queries and the alerts, all computed against one database time."""
+    now = now or locking.db_now()
+    return {
+        "now": now,
+        "workflow": workflow,
+        "overview": where_is_everything(now=now, window=window, workflow=workflow),
+        "stuck": stuck_jobs(now=now, workflow=workflow),
+        "failures": failure_groups(workflow=workflow),
+        "costs": cost_per_step(now=now, window=cost_window, workflow=workflow),
+        "cost_window": cost_window,
+        "alerts": alerts(now=now, workflow=workflow),
+        "paused": list(Pause.objects.order_by("workflow")),
+    }
