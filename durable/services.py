@@ -4,8 +4,13 @@ Every verb checks the transition table, writes with a compare-and-swap, and reco
 who did it and why in JobEvent (and Django's admin log when a user is given).
 """
 
+import datetime
+import hashlib
 import json
+import time
+from decimal import Decimal
 
+from django.core import signing
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import IntegrityError, transaction
 from django.db.models.functions import Now
@@ -13,9 +18,10 @@ from django.db.models.functions import Now
 from . import locking
 from .conf import durable_settings
 from .exceptions import IdempotencyConflict, OperatorError, PayloadInvalid
-from .models import ApprovalStatus, EventKind, Job, JobEvent, OutboxStatus, Pause
+from .models import ApprovalStatus, EventKind, Job, JobEvent, OutboxStatus, Pause, StepResult
+from .retry import describe
 from .states import CANCELLED, StateKind
-from .workflows import registry
+from .workflows import Action, Context, NeedsHuman, Output, Wait, registry
 
 
 def _normalise_payload(payload):
@@ -204,3 +210,205 @@ def pause(workflow, *, user=None, reason=""):
 def resume(workflow, *, user=None, reason=""):
     """Let workers claim jobs of ``workflow`` again."""
     Pause.objects.filter(workflow=workflow).delete()
+
+
+# Replaying a step -------------------------------------------------------------------------
+
+REPLAY_SALT = "durable.replay"
+# A preview older than this cannot be confirmed: the operator must look again.
+REPLAY_PREVIEW_MAX_AGE = 3600
+
+
+def output_hash(output):
+    """A stable hash of a memo's output, to bind a decision to the memo it was made on."""
+    text = json.dumps(output, cls=DjangoJSONEncoder, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class Replay:
+    """What replaying a step produced next to what its memo holds; ``token`` confirms it."""
+
+    def __init__(self, *, job_id, step, input, old_output, old_cost, new_output=None,
+                 new_cost=None, duration=None, error="", token="", replaced=False):
+        self.job_id = job_id
+        self.step = step
+        self.input = input
+        self.old_output = old_output
+        self.old_cost = old_cost
+        self.new_output = new_output
+        self.new_cost = new_cost
+        self.duration = duration
+        self.error = error
+        self.token = token
+        self.replaced = replaced
+
+    @property
+    def same(self):
+        return not self.error and output_hash(self.new_output) == output_hash(self.old_output)
+
+
+def _replay_target(job, step_name):
+    definition = registry.get(job.workflow)
+    st = definition.steps_by_name.get(step_name)
+    if st is None:
+        raise OperatorError(f"Workflow {job.workflow} has no step {step_name!r}")
+    if st.action:
+        raise OperatorError(
+            f"Step {step_name} is an action: its effect left the system, so it is never replayed"
+        )
+    memo = StepResult.objects.filter(job_id=job.pk, step=step_name).first()
+    if memo is None:
+        raise OperatorError(f"Job {job.pk} has no memo for step {step_name}: nothing to replay")
+    index = definition.steps.index(st)
+    earlier = [s.name for s in definition.steps[:index]]
+    memos = dict(
+        StepResult.objects.filter(job_id=job.pk, step__in=earlier).values_list("step", "output")
+    )
+    data = job.payload if index == 0 else memos.get(earlier[-1])
+    return definition, st, memo, memos, data
+
+
+def replay_step(job_id, step_name, *, user=None, reason="", confirm=None):
+    """Run one step again against current code with its exact input; replace the memo only on confirm.
+
+    Without ``confirm`` this is the preview: the step runs (and may spend money; the
+    spend is recorded in the job's history), nothing else changes, and the returned
+    Replay carries a signed ``token`` holding the new output. Passing that token as
+    ``confirm`` replaces the memo with exactly what the operator saw, provided the memo
+    is still the one the preview was made from. Later steps are not re-run: their
+    memos stand, as guarantee 4 requires.
+    """
+    if confirm is not None:
+        return _confirm_replay(job_id, step_name, confirm, user, reason)
+    try:
+        job = Job.objects.get(pk=job_id)
+    except Job.DoesNotExist:
+        raise OperatorError(f"There is no job {job_id!r}") from None
+    definition, st, memo, memos, data = _replay_target(job, step_name)
+    now = locking.db_now()
+    # wake_at=now: a step that sleeps durably returns from its sleep at once in a replay.
+    ctx = Context(job_id=job.pk, workflow=definition.name, step=st.name, attempt=memo.attempt,
+                  payload=job.payload, memos=memos, db_now=now, wake_at=now)
+    began = time.monotonic()
+    new_output, error = None, ""
+    try:
+        returned = definition.run_step(st, data, ctx)
+    except (NeedsHuman, Wait) as signal_:
+        error = f"The step did not return an output: {type(signal_).__name__}: {signal_}"
+    except Exception as exc:  # noqa: BLE001 - the operator sees whatever the step raised
+        error = describe(exc)
+    else:
+        cost = ctx.cost_total
+        if isinstance(returned, Output):
+            cost += Decimal(str(returned.cost))
+            returned = returned.value
+        ctx.cost_total = cost
+        if isinstance(returned, Action):
+            error = "The step now returns an action; actions are never replayed"
+        else:
+            try:
+                new_output = json.loads(json.dumps(returned, cls=DjangoJSONEncoder))
+            except (TypeError, ValueError) as exc:
+                error = f"The step's output is not JSON-serialisable: {exc}"
+    duration = time.monotonic() - began
+    replay = Replay(job_id=job.pk, step=st.name, input=data, old_output=memo.output,
+                    old_cost=memo.cost, new_output=new_output, new_cost=ctx.cost_total,
+                    duration=duration, error=error)
+    if not error:
+        replay.token = signing.dumps({
+            "job": job.pk, "step": st.name, "old": output_hash(memo.output),
+            "new": new_output, "cost": str(ctx.cost_total), "ms": round(duration * 1000, 3),
+        }, salt=REPLAY_SALT, compress=True)
+    JobEvent.objects.create(
+        job_id=job.pk, kind=EventKind.OPERATOR, step=st.name, actor=_actor(user),
+        from_state=job.state, to_state=job.state,
+        message=f"replay preview of {st.name}" + (f" failed: {error}" if error else "")
+        + (f": {reason}" if reason else ""),
+        data={"verb": "replay preview", "cost": str(ctx.cost_total),
+              "ms": round(duration * 1000, 3), "same": replay.same},
+    )
+    return replay
+
+
+def _confirm_replay(job_id, step_name, token, user, reason):
+    try:
+        signed = signing.loads(token, salt=REPLAY_SALT, max_age=REPLAY_PREVIEW_MAX_AGE)
+    except signing.SignatureExpired:
+        raise OperatorError("This preview is over an hour old; replay the step again") from None
+    except signing.BadSignature:
+        raise OperatorError("This preview is not one the console produced; nothing changed") from None
+    if signed["job"] != job_id or signed["step"] != step_name:
+        raise OperatorError("This preview belongs to another job or step; nothing changed")
+    with transaction.atomic():
+        job = _get_for_update(job_id)
+        _replay_target(job, step_name)
+        memo = StepResult.objects.select_for_update().get(job_id=job.pk, step=step_name)
+        old_hash = output_hash(memo.output)
+        if old_hash != signed["old"]:
+            raise OperatorError(
+                f"The memo of {step_name} changed since the preview; replay it again"
+            )
+        StepResult.objects.filter(pk=memo.pk).update(
+            output=signed["new"], duration=datetime.timedelta(milliseconds=signed["ms"])
+        )
+        JobEvent.objects.create(
+            job_id=job.pk, kind=EventKind.OPERATOR, step=step_name, actor=_actor(user),
+            from_state=job.state, to_state=job.state,
+            message=f"replay: replaced the memo of {step_name}: {reason}".strip(": "),
+            data={"verb": "replay", "old": old_hash, "new": output_hash(signed["new"]),
+                  "cost": signed["cost"]},
+        )
+        _admin_log(user, job, f"replay: replaced the memo of {step_name}. {reason}".strip())
+    memo.refresh_from_db()
+    return Replay(job_id=job.pk, step=step_name, input=None, old_output=None,
+                  old_cost=memo.cost, new_output=memo.output, new_cost=Decimal(signed["cost"]),
+                  replaced=True)
+
+
+# Bulk verbs ------------------------------------------------------------------------------
+
+
+class BulkResult:
+    """Which jobs a bulk verb changed, and why each of the others was refused."""
+
+    def __init__(self, verb):
+        self.verb = verb
+        self.done = []
+        self.refused = {}
+
+    def __len__(self):
+        return len(self.done) + len(self.refused)
+
+    def __repr__(self):
+        return f"<BulkResult {self.verb}: {len(self.done)} done, {len(self.refused)} refused>"
+
+
+def _bulk(verb, service, queryset, user, reason, **kwargs):
+    if not str(reason or "").strip():
+        raise OperatorError(f"Bulk {verb} needs a reason; it is recorded on every job")
+    result = BulkResult(verb)
+    # Read the keys first: each job is then changed in its own transaction under its
+    # own row lock, so one refusal (a job that moved meanwhile) does not undo the rest.
+    for pk in list(queryset.order_by("pk").values_list("pk", flat=True)):
+        try:
+            service(pk, user=user, reason=reason, **kwargs)
+        except OperatorError as exc:
+            result.refused[pk] = str(exc)
+        else:
+            result.done.append(pk)
+    return result
+
+
+def bulk_requeue(queryset, *, user=None, reason=""):
+    """Requeue every failed job in ``queryset``; others are refused one by one."""
+    return _bulk("requeue", requeue, queryset, user, reason)
+
+
+def bulk_retry_now(queryset, *, user=None, reason=""):
+    """Clear the backoff of every job in ``queryset`` that workers run."""
+    return _bulk("retry", retry_now, queryset, user, reason)
+
+
+def bulk_cancel(queryset, *, user=None, reason=""):
+    """Cancel every unfinished job in ``queryset``."""
+    return _bulk("cancel", cancel, queryset, user, reason)
