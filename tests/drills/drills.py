@@ -1,0 +1,438 @@
+"""The drills. Each takes a Lab and a Size and returns rows of counts.
+
+Every drill ends the same way: the faulty processes are stopped, clean workers run
+until every job is settled (the quiet period), and the counts are taken from the
+database, the executions log and the receiver.
+"""
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from django.db import connection
+
+import durable
+from durable import faults
+from durable.models import EventKind, JobEvent
+
+from .counts import count
+from .lab import ROOT, Pool, sigkill_deaths
+
+
+@dataclass(frozen=True)
+class Size:
+    """How big each drill is: ``small`` runs in CI, ``release`` before a release."""
+
+    name: str
+    fault_jobs: int  # jobs per fault point, each point fired once
+    random_jobs: int  # jobs under random fault-point kills (0: skip)
+    random_probability: float  # chance of a kill at each fault point reached
+    random_workers: int
+    storm_jobs: int  # kill storm: jobs of four steps
+    storm_workers: int
+    storm_kill_every: float  # seconds between random worker kills
+    hold_jobs: int  # paused lease holders
+    terminate_jobs: int  # jobs running while connections are terminated
+    terminate_every: float
+    restart_postgres: bool
+    skew_jobs: int
+    contention_jobs: int
+    contention_workers: int
+    settle_timeout: float
+
+
+SIZES = {
+    "small": Size(
+        name="small", fault_jobs=4, random_jobs=0, random_probability=0.0, random_workers=2,
+        storm_jobs=150, storm_workers=4, storm_kill_every=1.0, hold_jobs=2, terminate_jobs=60,
+        terminate_every=0.4, restart_postgres=False, skew_jobs=10, contention_jobs=120,
+        contention_workers=4, settle_timeout=60,
+    ),
+    "release": Size(
+        name="release", fault_jobs=20, random_jobs=4000, random_probability=0.02,
+        random_workers=4, storm_jobs=10_000, storm_workers=8, storm_kill_every=3.0, hold_jobs=6,
+        terminate_jobs=1500, terminate_every=1.0, restart_postgres=True, skew_jobs=100,
+        contention_jobs=2000, contention_workers=4, settle_timeout=300,
+    ),
+}
+
+_QUOTED = re.compile(r"""["'](\w+)["']""")
+
+
+def wired_points():
+    """Fault points the engine (and the drill workflow, for mid_step) actually reaches."""
+    source = Path(faults.__file__).parent
+    found = {"mid_step"}  # called by the drill workflow's step bodies
+    for path in source.rglob("*.py"):
+        for line in path.read_text().splitlines():
+            if "faults.point(" in line and "def point" not in line:
+                found.update(_QUOTED.findall(line))
+    return [p for p in faults.POINTS if p in found]
+
+
+# Points a plain four-step job reaches; the others need actions or approvals.
+JOB_POINTS = (
+    "after_claim", "before_step", "mid_step", "after_step_before_commit", "after_commit",
+    "before_final_transition", "after_final_transition", "during_backoff",
+)
+
+
+def _wait(predicate, timeout, interval=0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return False
+
+
+# 1. Every fault point, once ----------------------------------------------------------
+
+
+def fault_point_once(lab, point, size):
+    """SIGKILL a runworkers child the first time it reaches ``point``, then settle and count."""
+    began = time.monotonic()
+    payload = {"fail_once": "b"} if point == "during_backoff" else {}
+    lab.submit(size.fault_jobs, prefix=point.replace("_", "-"), **payload)
+    proc = lab.runworkers(1, fault=f"{point}@1")
+    _wait(lambda: sigkill_deaths(lab.output(proc), False) or lab.unsettled() == 0, 30)
+    fired = bool(sigkill_deaths(lab.output(proc), False))
+    lab.stop(proc)
+    settled = lab.settle(size.settle_timeout)
+    row = count(lab, f"fault {point}", began=began)
+    if not fired:
+        row.notes.append(f"the fault point {point} was never reached")
+    if not settled:
+        row.notes.append("the quiet period ended with unsettled jobs")
+    row.extra["fired"] = fired
+    return row
+
+
+# 1b. Random kills at every fault point ----------------------------------------------
+
+
+def random_fault_kills(lab, size, points=JOB_POINTS):
+    """Kill workers at random fault points, thousands of times (bare workers, replaced at once)."""
+    began = time.monotonic()
+    spec = ",".join(f"{p}~{size.random_probability}" for p in points if p in wired_points())
+    lab.submit(size.random_jobs, prefix="random", fail_once="c")
+    pool = Pool(lab, size.random_workers, fault=spec)
+    deadline = time.monotonic() + max(120, size.random_jobs * 0.5)
+    try:
+        while time.monotonic() < deadline and lab.unsettled():
+            pool.tick()
+            time.sleep(0.05)
+    finally:
+        pool.stop()
+    settled = lab.settle(size.settle_timeout, processes=size.random_workers)
+    row = count(lab, "random fault kills", began=began)
+    if not settled:
+        row.notes.append("the quiet period ended with unsettled jobs")
+    return row
+
+
+# 2. Kill storm ------------------------------------------------------------------------
+
+
+def kill_storm(lab, size):
+    """N runworkers children on four-step jobs; SIGKILL a random one every few seconds."""
+    began = time.monotonic()
+    lab.submit(size.storm_jobs, prefix="storm", work=0.002)
+    proc = lab.runworkers(size.storm_workers)
+    lab.wait_for_workers(proc, size.storm_workers)
+    deadline = time.monotonic() + max(120, size.storm_jobs * 0.2)
+    next_kill = time.monotonic() + size.storm_kill_every
+    while time.monotonic() < deadline and lab.unsettled():
+        if time.monotonic() >= next_kill:
+            lab.kill_random_worker(proc)
+            next_kill = time.monotonic() + size.storm_kill_every
+        time.sleep(0.05)
+    lab.stop(proc)
+    settled = lab.settle(size.settle_timeout)
+    row = count(lab, f"kill storm x{size.storm_workers}", began=began)
+    if not settled:
+        row.notes.append("the quiet period ended with unsettled jobs")
+    return row
+
+
+# 3. Paused lease holder ---------------------------------------------------------------
+
+
+def paused_holder(lab, size):
+    """SIGSTOP workers inside a step past their lease, let others finish, SIGCONT: no commit."""
+    began = time.monotonic()
+    keys = lab.submit(size.hold_jobs, prefix="hold", workflow="drill_hold",
+                      hold={"step": "b", "seconds": 1.0, "attempt": 1})
+    holder = lab.runworkers(size.hold_jobs)
+    inside = {}
+
+    def holders_inside():
+        for line in _lines(lab.exec_log):
+            kind, job, step, attempt, pid = line
+            if kind == "exec" and step == "b" and attempt == "1":
+                inside[job] = int(pid)
+        return len(inside) == len(keys)
+
+    if not _wait(holders_inside, 30, 0.02):
+        raise RuntimeError(f"holders never reached step b:\n{lab.output(holder)}")
+    for pid in set(inside.values()):
+        lab.pause(pid)
+    # Others take over once the lease passes, and finish the jobs.
+    others = lab.runworkers(2)
+    finished = _wait(lambda: lab.done(keys) == len(keys), 30)
+    final_events = JobEvent.objects.filter(job_id__in=keys).count()
+    for pid in set(inside.values()):
+        lab.resume(pid)
+    # The paused holders come back inside step b, finish it and try to commit.
+    returned = _wait(lambda: all(
+        ("done", job, "b", "1", str(pid)) in set(_lines(lab.exec_log)) for job, pid in inside.items()
+    ), 15)
+    time.sleep(1.0)  # room for a wrong commit to land, if fencing failed
+    late_events = JobEvent.objects.filter(job_id__in=keys).count() - final_events
+    lab.stop(others)
+    lab.stop(holder)
+    row = count(lab, "paused holder", began=began)
+    row.extra.update(paused=len(set(inside.values())), returned_to_commit=returned,
+                     late_events=late_events)
+    if not finished:
+        row.notes.append("the other workers did not finish the held jobs")
+    if not returned:
+        row.notes.append("the paused holders never got back to their commit: drill proved nothing")
+    if late_events:
+        row.stale += late_events
+        row.notes.append(f"{late_events} events were written after the jobs finished")
+    return row
+
+
+def _lines(path):
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return []
+    return [tuple(line.split()) for line in text.splitlines() if len(line.split()) == 5]
+
+
+# 5. Database connections killed, PostgreSQL restarted ----------------------------------
+
+
+def _terminate_backends():
+    """pg_terminate_backend every other connection to this database; return how many."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+        return cursor.fetchone()[0]
+
+
+def _worker_restarts(lab, proc):
+    return len(re.findall(r"died \(exit code", lab.output(proc)))
+
+
+def terminated_connections(lab, size):
+    """Kill worker connections mid-transaction over and over: workers reconnect on their own."""
+    began = time.monotonic()
+    lab.submit(size.terminate_jobs, prefix="term", work=0.01)
+    proc = lab.runworkers(3)
+    lab.wait_for_workers(proc, 3)
+    terminated = rounds = 0
+    deadline = time.monotonic() + max(90, size.terminate_jobs * 0.3)
+    while time.monotonic() < deadline and lab.unsettled():
+        time.sleep(size.terminate_every)
+        terminated += _terminate_backends()
+        rounds += 1
+    restarts = _worker_restarts(lab, proc)
+    lab.stop(proc)
+    settled = lab.settle(size.settle_timeout)
+    row = count(lab, "pg_terminate_backend", began=began,
+                extra={"terminated": terminated, "rounds": rounds, "worker_restarts": restarts})
+    if restarts:
+        row.notes.append(f"{restarts} worker processes died and were replaced")
+    if not settled:
+        row.notes.append("the quiet period ended with unsettled jobs")
+    return row
+
+
+def postgres_cluster():
+    """(version, name) of the local PostgreSQL cluster, or None."""
+    if not shutil.which("pg_lsclusters"):
+        return None
+    out = subprocess.run(["pg_lsclusters", "--no-header"], capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) >= 4 and parts[2] == str(connection.settings_dict.get("PORT") or 5432):
+            return parts[0], parts[1]
+    return None
+
+
+def _ensure_postgres_running(cluster):
+    version, name = cluster
+    for _ in range(3):
+        status = subprocess.run(["pg_lsclusters", "--no-header", version, name],
+                                capture_output=True, text=True).stdout
+        if "online" in status:
+            return True
+        subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", version, name, "start"],
+                       capture_output=True)
+        time.sleep(1)
+    return False
+
+
+def postgres_restart(lab, size):
+    """Restart PostgreSQL under load: workers recover without a restart of their own."""
+    cluster = postgres_cluster()
+    if cluster is None:
+        raise RuntimeError("no local PostgreSQL cluster to restart (pg_lsclusters)")
+    began = time.monotonic()
+    lab.submit(size.terminate_jobs, prefix="restart", work=0.01)
+    proc = lab.runworkers(3)
+    lab.wait_for_workers(proc, 3)
+    _wait(lambda: lab.done() > 0, 30)
+    version, name = cluster
+    try:
+        result = subprocess.run(
+            ["pg_ctlcluster", "--skip-systemctl-redirect", version, name, "restart", "-m", "fast"],
+            capture_output=True, text=True, timeout=120,
+        )
+    finally:
+        running = _ensure_postgres_running(cluster)
+    connection.close()
+    if not running:
+        raise RuntimeError("PostgreSQL did not come back after the restart")
+    _wait(lambda: lab.unsettled() == 0, max(90, size.terminate_jobs * 0.3))
+    restarts = _worker_restarts(lab, proc)
+    lab.stop(proc)
+    settled = lab.settle(size.settle_timeout)
+    row = count(lab, "postgres restart", began=began,
+                extra={"restart_rc": result.returncode, "worker_restarts": restarts})
+    if result.returncode:
+        row.notes.append(f"pg_ctlcluster restart failed: {result.stderr.strip()}")
+    if restarts:
+        row.notes.append(f"{restarts} worker processes died and were replaced")
+    if not settled:
+        row.notes.append("the quiet period ended with unsettled jobs")
+    return row
+
+
+# 6. Clock skew ------------------------------------------------------------------------
+
+LIBFAKETIME = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1"
+
+
+def faketime_library():
+    for path in (LIBFAKETIME, "/usr/lib/faketime/libfaketimeMT.so.1",
+                 "/usr/lib/aarch64-linux-gnu/faketime/libfaketimeMT.so.1"):
+        if Path(path).exists():
+            return path
+    return None
+
+
+def skewed_env(offset):
+    """Environment that shifts a process's wall clock by ``offset`` ("+1h", "-1h")."""
+    library = faketime_library()
+    if library is None:
+        raise RuntimeError("libfaketime is not installed (apt-get install faketime)")
+    # Monotonic time stays real: only the wall clock is wrong, as on a badly synced host.
+    return {"LD_PRELOAD": library, "FAKETIME": offset, "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+            "FAKETIME_NO_CACHE": "1"}
+
+
+def clock_skew(lab, size):
+    """Workers an hour ahead and an hour behind steal no lease and wake no timer early."""
+    began = time.monotonic()
+    # A holder with a true clock works a step longer than the lease (renewing it).
+    held = lab.submit(1, prefix="skew-held", workflow="drill_hold",
+                      hold={"step": "b", "seconds": lab.lease * 2, "attempt": 1})
+    holder = lab.runworkers(1)
+    if not _wait(lambda: any(line[0] == "exec" and line[2] == "b" for line in _lines(lab.exec_log)),
+                 30, 0.02):
+        raise RuntimeError(f"the holder never reached step b:\n{lab.output(holder)}")
+    # Meanwhile workers whose clocks are an hour off claim everything else.
+    ahead = lab.runworkers(2, env=skewed_env("+1h"))
+    behind = lab.runworkers(1, env=skewed_env("-1h"))
+    plain = lab.submit(size.skew_jobs, prefix="skew")
+    timers = []
+    for i in range(3):
+        key = f"skew-timer-{i}"
+        durable.submit("wait_until", key, {"seconds": 3})
+        timers.append(key)
+    lab.submitted.extend(timers)
+    submitted_at = time.monotonic()
+    woke = {}
+
+    def settled():
+        for key in timers:
+            if key not in woke and lab.done([key]):
+                woke[key] = time.monotonic() - submitted_at
+        return lab.unsettled() == 0
+
+    _wait(settled, 60, 0.05)
+    for proc in (ahead, behind, holder):
+        lab.stop(proc)
+    lab.settle(size.settle_timeout)
+    stolen = JobEvent.objects.filter(job_id__in=held, kind=EventKind.RECLAIMED).count()
+    executions_b = sum(1 for line in _lines(lab.exec_log)
+                       if line[0] == "exec" and line[1] in held and line[2] == "b")
+    early = sorted(round(s, 2) for s in woke.values() if s < 3.0)
+    skewed_pids = set(lab.worker_pids(ahead)) | set(lab.worker_pids(behind))
+    row = count(lab, "clock skew +-1h", began=began, extra={
+        "stolen_leases": stolen, "held_b_runs": executions_b, "early_timers": early,
+        "timer_seconds": sorted(round(s, 2) for s in woke.values()),
+    })
+    if stolen or executions_b != 1:
+        row.notes.append(f"a skewed worker stole the held lease ({stolen} reclaims, "
+                         f"{executions_b} runs of the held step)")
+        row.stale += stolen
+    if early:
+        row.notes.append(f"timers woke early: {early}")
+    claimed_by_skewed = JobEvent.objects.filter(job_id__in=plain, kind=EventKind.CLAIMED).exclude(
+        actor__contains=f":{holder.pid}:").count()
+    row.extra["claims"] = claimed_by_skewed
+    del skewed_pids
+    return row
+
+
+# 7. SQLite under contention -----------------------------------------------------------
+
+
+def sqlite_contention(lab, size, transaction_mode="IMMEDIATE"):
+    """Four workers and a busy console on SQLite; count 'database is locked' wherever it shows."""
+    began = time.monotonic()
+    env = {"DURABLE_SQLITE_TRANSACTION_MODE": transaction_mode}
+    lab.submit(size.contention_jobs, prefix=f"busy-{transaction_mode.lower()}", work=0.001)
+    console_log = lab.workdir / f"console-{transaction_mode.lower()}.json"
+    proc = lab.runworkers(size.contention_workers, env=env)
+    console = subprocess.Popen(
+        [sys.executable, "-m", "tests.drills.console", str(console_log), str(lab.exec_log)],
+        cwd=ROOT, env=lab.env(**env), stdout=subprocess.DEVNULL,
+        stderr=open(lab.workdir / "console.err", "wb"),  # noqa: SIM115 - closed with the process
+    )
+    _wait(lambda: lab.unsettled() == 0, max(60, size.contention_jobs * 0.5), 0.2)
+    console.terminate()
+    console.wait(30)
+    lab.stop(proc)
+    report = json.loads(console_log.read_text()) if console_log.exists() else {}
+    lab.submitted.extend(report.get("submitted", []))
+    settled = lab.settle(size.settle_timeout)
+    worker_locked = lab.output(proc).count("database is locked")
+    from durable.models import Job
+
+    jobs_locked = Job.objects.filter(last_error__contains="database is locked").count()
+    row = count(lab, f"sqlite busy ({transaction_mode.lower()})", began=began, extra={
+        "locked_in_workers": worker_locked, "locked_in_console": report.get("locked", 0),
+        "jobs_failed_locked": jobs_locked, "console_ops": report.get("ops", 0),
+        "console_errors": report.get("errors", 0),
+    })
+    if not settled:
+        row.notes.append("the quiet period ended with unsettled jobs")
+    return row
+
+
+def locked_errors(row):
+    return (row.extra["locked_in_workers"] + row.extra["locked_in_console"]
+            + row.extra["jobs_failed_locked"])

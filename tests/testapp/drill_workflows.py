@@ -1,0 +1,104 @@
+"""Workflows the crash drills run: every step body writes down each time it runs.
+
+A drill counts executions from the log named in the payload (one line per start of
+a step body, appended with O_APPEND so lines of concurrent processes never tear) and
+compares them with the memos and events the engine committed.
+
+Payload knobs (all optional):
+
+- ``log``: the executions log.
+- ``hold``: ``{"step": "b", "seconds": 1.5, "attempt": 1}``: that step sleeps on that
+  attempt, so a drill can pause or kill the process while it is inside the step.
+- ``fail_once``: the named step raises a connection error on its first attempt (a
+  retryable failure, so the job passes through backoff).
+- ``work``: seconds every step sleeps (spreads kills over step bodies).
+"""
+
+import os
+import time
+
+from durable import Retry, Workflow, faults, step
+
+# Kills during a drill hit a step again and again; a real poison job would fail after
+# the default attempts, but a drill must see every job through to count it.
+DRILL_RETRY = Retry(max_attempts=25, base=0.05, cap=0.2)
+
+
+def write_line(path, line):
+    if not path:
+        return
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, f"{line}\n".encode())
+    finally:
+        os.close(fd)
+
+
+def body(ctx, data):
+    """What every drill step does: record, maybe hold or fail, hit mid_step, return."""
+    payload = ctx.payload if isinstance(ctx.payload, dict) else {}
+    log = payload.get("log")
+    pid = os.getpid()
+    write_line(log, f"exec {ctx.job_id} {ctx.step} {ctx.attempt} {pid}")
+    hold = payload.get("hold") or {}
+    if hold.get("step") == ctx.step and ctx.attempt == hold.get("attempt", 1):
+        time.sleep(float(hold.get("seconds", 1.0)))
+    if payload.get("work"):
+        time.sleep(float(payload["work"]))
+    faults.point("mid_step")
+    if payload.get("fail_once") == ctx.step and ctx.attempt == 1:
+        raise ConnectionError("drill: connection reset by peer (first attempt only)")
+    # "done" means the body returned: a paused holder writes it after SIGCONT, which
+    # proves it reached the commit that fencing then refused.
+    write_line(log, f"done {ctx.job_id} {ctx.step} {ctx.attempt} {pid}")
+    count = (data or {}).get("n", 0) if isinstance(data, dict) else 0
+    return {"n": count + 1, "by": pid}
+
+
+class Drill(Workflow):
+    """Four recorded steps: the unit of work of every drill."""
+
+    name = "drill"
+
+    @step(retry=DRILL_RETRY)
+    def a(self, payload, ctx):
+        return body(ctx, None)
+
+    @step(retry=DRILL_RETRY)
+    def b(self, data, ctx):
+        return body(ctx, data)
+
+    @step(retry=DRILL_RETRY)
+    def c(self, data, ctx):
+        return body(ctx, data)
+
+    @step(retry=DRILL_RETRY)
+    def d(self, data, ctx):
+        return body(ctx, data)
+
+
+class DrillHold(Workflow):
+    """The same four steps, with a step timeout longer than any pause a drill applies.
+
+    A paused holder must come back *inside* its step and reach the commit, so the drill
+    sees fencing refuse the write (with the default timeout, the heartbeat would end
+    the process first, which is the other safe path).
+    """
+
+    name = "drill_hold"
+
+    @step(retry=DRILL_RETRY, timeout=120)
+    def a(self, payload, ctx):
+        return body(ctx, None)
+
+    @step(retry=DRILL_RETRY, timeout=120)
+    def b(self, data, ctx):
+        return body(ctx, data)
+
+    @step(retry=DRILL_RETRY, timeout=120)
+    def c(self, data, ctx):
+        return body(ctx, data)
+
+    @step(retry=DRILL_RETRY, timeout=120)
+    def d(self, data, ctx):
+        return body(ctx, data)
