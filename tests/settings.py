@@ -37,6 +37,9 @@ else:
             "TEST": {"NAME": path},
         }
     }
+    # The SQLite contention drill sets DEFERRED to prove it can see "database is locked".
+    mode = os.environ.get("DURABLE_SQLITE_TRANSACTION_MODE", "IMMEDIATE")
+    DATABASES["default"]["OPTIONS"]["transaction_mode"] = mode
 
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 

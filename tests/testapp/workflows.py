@@ -132,3 +132,4 @@ class WaitUntil(Workflow):
         return {}
 
 from . import approval_workflows  # noqa: E402, F401 - registers the approval test workflows
+from . import drill_workflows  # noqa: E402, F401 - registers the crash drill workflows
