@@ -50,6 +50,12 @@ DEFAULTS = {
     # Console alert thresholds (seconds).
     "ALERT_OLDEST_SECONDS": 3600,
     "ALERT_APPROVAL_EXPIRY_SECONDS": 3600,
+    # /metrics (durable.metrics): scrapers send "Authorization: Bearer <token>"; without
+    # a token only logged-in staff with durable.view_job may read it.
+    "METRICS_TOKEN": None,
+    # manage.py durable purge: roll the costs of purged memos up per day and step first,
+    # so the cost report and the cost metrics outlive the rows.
+    "PURGE_KEEP_COSTS": True,
     # Fault injection for drills: the name of a fault point where the process SIGKILLs itself.
     "FAULT_POINT": None,
 }

@@ -3,6 +3,8 @@
 Nothing here assigns ``Job.state``: ``durable.locking.transition`` is its only writer.
 """
 
+import datetime
+
 from django.conf import settings
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import models
@@ -119,6 +121,27 @@ class StepResult(models.Model):
 
     def __str__(self):
         return f"{self.job_id}/{self.step}"
+
+
+class CostRollup(models.Model):
+    """Costs of purged memos per day, workflow and step: the cost report outlives purge."""
+
+    day = models.DateField(_("day"))
+    workflow = models.CharField(_("workflow"), max_length=100)
+    step = models.CharField(_("step"), max_length=100)
+    steps = models.PositiveBigIntegerField(_("steps"), default=0)
+    cost = models.DecimalField(_("cost"), max_digits=18, decimal_places=6, default=0)
+    duration = models.DurationField(_("duration"), default=datetime.timedelta(0))
+
+    class Meta:
+        verbose_name = _("cost rollup")
+        verbose_name_plural = _("cost rollups")
+        constraints = [
+            models.UniqueConstraint(fields=["day", "workflow", "step"], name="durable_one_rollup_per_day"),
+        ]
+
+    def __str__(self):
+        return f"{self.day} {self.workflow}/{self.step}: {self.cost}"
 
 
 class OutboxStatus(models.TextChoices):

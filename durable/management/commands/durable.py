@@ -1,3 +1,5 @@
+import argparse
+
 from django.core.management.base import BaseCommand, CommandError
 
 from durable import services
@@ -17,6 +19,7 @@ class Command(BaseCommand):
             p.add_argument("jobs", nargs="+")
             p.add_argument("--reason", default="", help="Recorded in the job's history.")
             p.add_argument("--user", default="cli", help="Who is acting (recorded).")
+        add_purge_arguments(sub)
 
     def handle(self, *args, verb, **options):
         return getattr(self, f"do_{verb}")(**options)
@@ -50,3 +53,34 @@ class Command(BaseCommand):
 
     def do_retry(self, jobs, reason, user, **options):
         self._each(services.retry_now, jobs, reason, user, "due now")
+
+    def do_purge(self, older_than, batch_size, keep_costs, workflow, dry_run, **options):
+        try:
+            age = services.parse_age(older_than)
+            done = services.purge(
+                age, batch_size=batch_size, keep_costs=keep_costs, workflow=workflow,
+                dry_run=dry_run,
+                progress=lambda r: self.stdout.write(f"batch {r.batches}: {r.jobs} jobs so far"),
+            )
+        except (ValueError, DurableError) as exc:
+            raise CommandError(str(exc)) from None
+        if dry_run:
+            self.stdout.write(f"{done.jobs} finished jobs unchanged for {older_than} would be purged")
+            return
+        rows = ", ".join(f"{n} {label.split('.')[-1]}" for label, n in sorted(done.rows.items()))
+        self.stdout.write(f"purged {done.jobs} finished jobs unchanged for {older_than}"
+                          f" ({rows or 'nothing'})")
+        if done.costs_kept:
+            self.stdout.write(f"kept their cost, {done.costs_kept}, in the cost rollup")
+
+
+def add_purge_arguments(sub):
+    p = sub.add_parser("purge", help="Delete finished jobs and their rows, in batches.")
+    p.add_argument("--older-than", required=True,
+                   help="Age since the job last changed: 90d, 12h, 30m, 2w, 45s.")
+    p.add_argument("--batch-size", type=int, default=500, help="Jobs per transaction.")
+    p.add_argument("--keep-costs", action=argparse.BooleanOptionalAction, default=None,
+                   help="Roll memo costs up per day and step first "
+                        "(default DURABLE['PURGE_KEEP_COSTS']).")
+    p.add_argument("--workflow", default=None, help="Only jobs of this workflow.")
+    p.add_argument("--dry-run", action="store_true", help="Count, delete nothing.")
