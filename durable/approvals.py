@@ -22,7 +22,7 @@ from decimal import Decimal
 
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import transaction
-from django.db.models import Sum
+from django.db.models import F, Sum
 from django.db.models.functions import Now
 
 from . import faults, locking
@@ -107,13 +107,9 @@ def wire_values(values):
     The hash is taken over this form, so it is the hash of exactly what the destination
     receives, and reading the row back from the database cannot change it.
     """
-    if not isinstance(values, dict):
-        raise TypeError(f"an action's values must be a dict, not {type(values).__name__}")
-    try:
-        text = json.dumps(values, cls=DjangoJSONEncoder, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"the action's values are not JSON-serialisable: {exc}") from None
-    return json.loads(text)
+    from .dispatch import wire_values as wire
+
+    return wire(values)
 
 
 def version_text(value):
@@ -141,37 +137,16 @@ def hash_of_row(row, input_version):
     return proposal_hash(make_proposal(row.destination, row.operation, row.payload, input_version))
 
 
-# The outbox row of a proposal ----------------------------------------------------------
-
-
-def _params_hash(destination, operation, values):
-    return hashlib.sha256(
-        canonical_json({"destination": destination, "operation": operation, "values": values})
-        .encode()
-    ).hexdigest()
-
-
-def _outbox_identity(job_id, kind, destination, operation, values):
-    """Return ``(params_hash, idempotency_key)`` as the dispatcher derives them."""
-    try:
-        from .dispatch import action_identity
-    except ImportError:
-        params = _params_hash(destination, operation, values)
-        key = hashlib.sha256(f"{job_id}\x00{kind}\x00{params}".encode()).hexdigest()
-        return params, f"durable-{key[:40]}"
-    return action_identity(job_id, kind, destination, operation, values)
+# Requesting approval (called by the dispatcher's enqueue_action) ------------------------
 
 
 def requires_approval(st, action, ctx):
     """Whether this action of step ``st`` needs a person's approval before it is sent."""
     if not st.approval:
         return False
-    if st.approval is True:
+    if st.approval is True or not callable(st.approval):
         return True
     return bool(st.approval(action, ctx))
-
-
-# Requesting approval (called by the dispatcher's enqueue_action) ------------------------
 
 
 def context_for(job, st, db_now=None):
@@ -191,8 +166,12 @@ def request_approval(runner, started, action, ctx, cost, duration):
     outbox row (whose ``next_attempt_at`` is NULL, so the dispatcher ignores it until
     someone approves). If the same proposal was already approved and is still valid
     (a restart after the decision), it is reused and the job goes straight in flight.
-    Returns None: the job has left this worker.
+    An action that may already have happened is never proposed again: a confirmed one
+    completes the step with its recorded result, an unsettled one is reconciled first.
+    Returns None when the job has left this worker.
     """
+    from .dispatch import _memo, action_identity
+
     claimed, st, states, workflow = started.claimed, started.step, started.states, started.workflow
     token = claimed.lease_token
     try:
@@ -204,90 +183,131 @@ def request_approval(runner, started, action, ctx, cost, duration):
         digest = proposal_hash(proposal)
     except Exception as exc:  # noqa: BLE001 - the step's retry policy classifies it
         return runner._failed(started, exc, duration.total_seconds())
-    params, key = _outbox_identity(claimed.id, st.name, action.destination, action.operation,
-                                   values)
+    params, key = action_identity(claimed.id, st.name, action.destination, action.operation,
+                                  values)
     expiry = st.approval_expiry or durable_settings.APPROVAL_EXPIRY_SECONDS
-    event_data = {"hash": digest, "cost": str(cost), "attempt": started.attempt,
-                  "ms": round(duration.total_seconds() * 1000, 3)}
+    timing = {"attempt": started.attempt, "cost": str(cost),
+              "ms": round(duration.total_seconds() * 1000, 3)}
     with transaction.atomic():
         now = locking.db_now()
         row = Outbox.objects.select_for_update().filter(job_id=claimed.id, kind=st.name).first()
-        if row is not None and row.status in (OutboxStatus.ATTEMPTED, OutboxStatus.UNKNOWN,
-                                              OutboxStatus.SUCCEEDED):
-            # This action may already have happened: never ask to send it again. The
-            # dispatcher owns it (reconcile, or complete from the recorded result).
+        if row is not None and row.status == OutboxStatus.SUCCEEDED:
+            # Result confirmed earlier: use it, never repeat the action or ask again.
+            memo = _memo(row, how="recorded earlier")
+            confirmed = True
+        else:
+            confirmed = False
+        if not confirmed and row is not None and row.status in (OutboxStatus.ATTEMPTED,
+                                                                OutboxStatus.UNKNOWN):
+            # It may have happened: reconcile it before any new proposal or write.
+            if row.params_hash != params:
+                transaction.set_rollback(True)
+                return runner._fail(
+                    claimed, started.table, states, started.attempt,
+                    f"an earlier {row.operation} on {row.destination} for this step is still"
+                    f" {row.status} (key {row.idempotency_key}); settle it before the step may"
+                    " propose a different action",
+                )
             ok = locking.transition(
                 claimed, states.in_flight, token=token, actor=runner.owner, step=st.name,
                 table=started.table, kind=EventKind.ACTION,
-                message=f"the action is already {row.status}; not proposed again",
+                message=f"{row.operation} on {row.destination} already {row.status};"
+                        " reconciling it, not proposing it again",
+                data={"phase": "enqueued", "key": row.idempotency_key, **timing},
                 fields={"lease_until": None, "lease_owner": None, "next_run_at": None},
             )
-            if ok:
-                Outbox.objects.filter(pk=row.pk).update(next_attempt_at=Now(), updated=Now())
-                locking.notify("durable_outbox", claimed.id)
-            else:
+            if not ok:
+                transaction.set_rollback(True)
                 runner._lost(started)
-            return None
-        previous = list(
-            Approval.objects.select_for_update()
-            .filter(job_id=claimed.id, step=st.name,
-                    status__in=[ApprovalStatus.REQUESTED, ApprovalStatus.APPROVED])
-            .order_by("-id")
-        )
-        reuse = next(
-            (a for a in previous if a.proposal_hash == digest and a.status == ApprovalStatus.APPROVED
-             and a.expires_at > now),
-            None,
-        )
-        stale = [a for a in previous if a is not reuse]
-        for old in stale:
-            _close(old, ApprovalStatus.SUPERSEDED,
-                   "a new proposal was prepared from current inputs")
-        due = Now() if reuse is not None else None
-        fields = {"destination": action.destination, "operation": action.operation,
-                  "payload": values, "params_hash": params, "idempotency_key": key,
-                  "status": OutboxStatus.PENDING, "next_attempt_at": due, "attempts": 0,
-                  "lease_until": None, "lease_owner": None, "last_error": ""}
-        if row is None:
-            Outbox.objects.create(job_id=claimed.id, kind=st.name, **fields)
-        else:
-            # Pending (superseded, never sent), failed or cancelled: the new proposal
-            # replaces it. The events keep what the old row said.
-            for name, value in fields.items():
-                setattr(row, name, value)
-            row.version += 1
-            row.save()
-        if reuse is None:
-            approval = Approval.objects.create(
-                job_id=claimed.id, step=st.name, proposal=proposal, proposal_hash=digest,
-                input_version=version, summary=summary,
-                expires_at=now + datetime.timedelta(seconds=float(expiry)),
-            )
-            path = [states.approval]
-            message = f"approval requested: {summary}"
-            event_data.update(approval=approval.pk, expires_at=approval.expires_at.isoformat())
-        else:
-            path = [states.approval, states.in_flight]
-            message = f"the same proposal was approved already (approval {reuse.pk}); dispatching"
-            event_data.update(approval=reuse.pk)
-        ok = locking.transition(
-            claimed, path, token=token, actor=runner.owner, step=st.name, table=started.table,
-            kind=EventKind.APPROVAL, message=message, data=event_data,
-            fields={"lease_until": None, "lease_owner": None, "next_run_at": None,
-                    "last_error": ""},
-        )
-        if not ok:
-            # The lease was lost: another worker owns the job, and nothing here may commit.
-            transaction.set_rollback(True)
-            runner._lost(started)
-            return None
-        if reuse is not None:
+                return None
+            Outbox.objects.filter(pk=row.pk).update(next_attempt_at=Now(), updated=Now(),
+                                                    version=F("version") + 1)
             locking.notify("durable_outbox", claimed.id)
+            runner._signal_finished(started, "action")
+            return None
+        if not confirmed:
+            message = _propose(claimed, st, states, started, runner, action, values, version,
+                               summary, proposal, digest, params, key, expiry, timing, row, now)
+            if message is None:
+                return None
+    if confirmed:
+        return runner._complete(started, memo, cost, duration)
     faults.point("during_approval_wait")
     logger.info("%s job=%s step=%s -> %s: %s", runner.owner, claimed.id, st.name, claimed.state,
                 message)
     runner._signal_finished(started, "action")
     return None
+
+
+def _propose(claimed, st, states, started, runner, action, values, version, summary, proposal,
+             digest, params, key, expiry, timing, row, now):
+    """Write the request (or reuse an identical approval) inside the caller's transaction."""
+    previous = list(
+        Approval.objects.select_for_update()
+        .filter(job_id=claimed.id, step=st.name,
+                status__in=[ApprovalStatus.REQUESTED, ApprovalStatus.APPROVED])
+        .order_by("-id")
+    )
+    reuse = next(
+        (a for a in previous if a.proposal_hash == digest and a.status == ApprovalStatus.APPROVED
+         and a.expires_at > now),
+        None,
+    )
+    for old in previous:
+        if old is not reuse:
+            _close(old, ApprovalStatus.SUPERSEDED, "a new proposal was prepared from current inputs")
+    fresh = {"destination": action.destination, "operation": action.operation,
+             "payload": values, "params_hash": params, "idempotency_key": key,
+             "status": OutboxStatus.PENDING, "attempts": 0, "lookups": 0,
+             # NULL: the dispatcher does not see the row until someone approves it.
+             "next_attempt_at": Now() if reuse is not None else None,
+             "lease_until": None, "lease_owner": None, "sent_at": None, "remote_id": "",
+             "response_summary": "", "last_error": ""}
+    if row is None:
+        Outbox.objects.create(job_id=claimed.id, kind=st.name, **fresh)
+    else:
+        # Pending (never sent: a superseded proposal), failed or cancelled: the new
+        # proposal replaces it. The events keep what the old row said.
+        Outbox.objects.filter(pk=row.pk).update(**fresh, version=F("version") + 1, updated=Now())
+    if reuse is None:
+        approval = Approval.objects.create(
+            job_id=claimed.id, step=st.name, proposal=proposal, proposal_hash=digest,
+            input_version=version, summary=summary,
+            expires_at=now + datetime.timedelta(seconds=float(expiry)),
+        )
+        path = [states.approval]
+        message = f"approval requested: {summary}"
+        data = {"approval": approval.pk, "hash": digest,
+                "expires_at": approval.expires_at.isoformat()}
+    else:
+        approval = reuse
+        path = [states.approval, states.in_flight]
+        message = f"the same proposal was approved already (approval {reuse.pk}); dispatching"
+        data = {"approval": reuse.pk, "hash": digest}
+    ok = locking.transition(
+        claimed, path, token=claimed.lease_token, actor=runner.owner, step=st.name,
+        table=started.table, kind=EventKind.APPROVAL, message=message, data=data,
+        fields={"lease_until": None, "lease_owner": None, "next_run_at": None, "last_error": ""},
+    )
+    if not ok:
+        # The lease was lost: another worker owns the job, and nothing here may commit.
+        transaction.set_rollback(True)
+        runner._lost(started)
+        return None
+    # The dispatcher reads the step's cost and duration from this event when the action
+    # is confirmed and becomes the step's memo.
+    JobEvent.objects.create(
+        job_id=claimed.id, kind=EventKind.ACTION, step=st.name, actor=runner.owner,
+        from_state=claimed.state, to_state=claimed.state,
+        message=(f"{action.operation} on {action.destination} proposed; held until approved"
+                 if reuse is None else
+                 f"{action.operation} on {action.destination} queued under approval {reuse.pk}"),
+        data={"phase": "enqueued", "key": key, "destination": action.destination,
+              "operation": action.operation, "approval": approval.pk, **timing},
+    )
+    if reuse is not None:
+        locking.notify("durable_outbox", claimed.id)
+    return message
 
 
 def _close(approval, status, note):
@@ -370,7 +390,8 @@ def check_before_dispatch(outbox_row, job):
 
 def _park(row, why):
     Outbox.objects.filter(pk=row.pk).update(
-        next_attempt_at=None, lease_until=None, lease_owner=None, last_error=why, updated=Now()
+        next_attempt_at=None, lease_until=None, lease_owner=None, last_error=why,
+        version=F("version") + 1, updated=Now(),
     )
     row.next_attempt_at = None
     row.last_error = why
@@ -512,7 +533,8 @@ def approve(approval_id, seen_hash, user, note=""):
             job = approval.job
             row_count = Outbox.objects.filter(
                 job_id=job.pk, kind=approval.step, status=OutboxStatus.PENDING
-            ).update(next_attempt_at=Now(), last_error="", updated=Now())
+            ).update(next_attempt_at=Now(), last_error="", version=F("version") + 1,
+                     updated=Now())
             if not row_count:
                 raise DecisionRefused(
                     f"Job {job.pk} has no pending action for {approval.step}; reload."
@@ -557,7 +579,8 @@ def reject(approval_id, seen_hash, user, reason):
             Outbox.objects.filter(
                 job_id=job.pk, kind=approval.step, status=OutboxStatus.PENDING
             ).update(status=OutboxStatus.CANCELLED, next_attempt_at=None,
-                     last_error=f"rejected: {reason}", updated=Now())
+                     last_error=f"rejected: {reason}", version=F("version") + 1,
+                     updated=Now())
             ok = locking.transition(
                 job, target, expect=states.approval, actor=_actor(user), step=approval.step,
                 kind=EventKind.APPROVAL, message=f"rejected: {reason}",
@@ -595,7 +618,8 @@ def prepare_again(approval_id, user, reason=""):
             status = ApprovalStatus.EXPIRED if approval.expires_at <= now else ApprovalStatus.SUPERSEDED
             _close(approval, status, f"set aside by {_actor(user)} to prepare again. {reason}".strip())
         Outbox.objects.filter(job_id=job.pk, kind=approval.step, status=OutboxStatus.PENDING).update(
-            next_attempt_at=None, last_error="set aside: preparing a new proposal", updated=Now()
+            next_attempt_at=None, last_error="set aside: preparing a new proposal",
+            version=F("version") + 1, updated=Now(),
         )
         ok = locking.transition(
             job, states.before, expect=states.approval, actor=_actor(user), step=approval.step,

@@ -206,8 +206,9 @@ def derive(steps):
             outs.append(states.approval)
         if states.in_flight:
             outs.append(states.in_flight)
-        if not st.action:
-            outs.append(st.done)
+        # An action step reaches done from working only when its action was confirmed
+        # earlier (the step was sent back past it): the recorded result is its memo.
+        outs.append(st.done)
         if states.timer:
             outs.append(states.timer)
         outs.append(failure)

@@ -14,6 +14,9 @@ from durable import Action, Output, Workflow, step
 
 from .workflows import record
 
+# Worker subprocesses find the test's receiver here (see use_refunds_receiver).
+REFUNDS_URL_ENV = "DURABLE_TEST_REFUNDS_URL"
+
 
 def read_order(path):
     with open(path, encoding="utf-8") as f:
@@ -50,7 +53,7 @@ class Refund(Workflow):
         record(ctx.payload, f"{ctx.job_id} propose v{order['version']}")
         ctx.cost("0.01")
         return Action(
-            destination=ctx.payload.get("destination", "crm"),
+            destination=ctx.payload.get("destination", "refunds"),
             operation="refund",
             values={
                 "order": order["id"],
@@ -93,3 +96,17 @@ class RefundReview(Refund):
           on_reject="needs_human")
     def refund(self, data, ctx):
         return Refund.refund(self, data, ctx)
+
+
+def use_refunds_receiver(url):
+    """Point the ``refunds`` destination at a durable.testing receiver (deduplicating, with lookup)."""
+    from durable.destinations import HttpDestination, register
+
+    return register(HttpDestination(
+        "refunds", url=f"{url}/actions", idempotent=True,
+        lookup_url=f"{url}/actions/lookup?key={{key}}", timeout=(1.0, 3.0),
+    ))
+
+
+if os.environ.get(REFUNDS_URL_ENV):
+    use_refunds_receiver(os.environ[REFUNDS_URL_ENV])
