@@ -53,3 +53,101 @@ def check_sqlite_journal(app_configs, databases=None, **kwargs):
             id="durable.W003",
         ))
     return problems
+
+
+# Destinations and where the database lives --------------------------------------------
+
+
+@checks.register()
+def check_destinations(app_configs, **kwargs):
+    """Destinations that cannot be built, may hang, or leave lost replies to a person."""
+    from django.core.exceptions import ImproperlyConfigured
+
+    from . import destinations
+
+    problems = []
+    for name in destinations.registry.names():
+        try:
+            dest = destinations.get(name)
+        except ImproperlyConfigured as exc:
+            problems.append(checks.Error(
+                f"Destination {name!r} cannot be built: {exc}",
+                hint="Fix DURABLE['DESTINATIONS'] (or the code that registers it).",
+                obj=name, id="durable.E010",
+            ))
+            continue
+        if not getattr(dest, "timeout", None):
+            # Without a timeout a send that hangs holds the dispatcher until its lease
+            # runs out, and the action's outcome becomes unknown anyway.
+            problems.append(checks.Warning(
+                f"Destination {name!r} declares no timeout: a hung send holds the dispatcher.",
+                hint="Give it a (connect, read) timeout, e.g. timeout = (3.05, 10).",
+                obj=name, id="durable.W010",
+            ))
+        if not getattr(dest, "idempotent", False) and not dest.supports_lookup:
+            problems.append(checks.Warning(
+                f"Destination {name!r} neither deduplicates idempotency keys nor offers a lookup:"
+                " an action whose reply is lost cannot be settled automatically.",
+                hint="Set IDEMPOTENT if the API deduplicates on the key, or a LOOKUP_URL;"
+                     " otherwise every ambiguous result waits for an operator to reconcile.",
+                obj=name, id="durable.W011",
+            ))
+    return problems
+
+
+MOUNTINFO = "/proc/self/mountinfo"
+
+# File systems on which SQLite's locks are unreliable (the SQLite FAQ warns against
+# network file systems): two workers could both believe they hold the write lock.
+NETWORK_FILESYSTEMS = frozenset({
+    "nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "afs", "ceph", "glusterfs", "lustre",
+    "gpfs", "davfs", "fuse.sshfs", "fuse.glusterfs", "fuse.s3fs", "fuse.rclone", "fuse.gcsfuse",
+    "fuse.cephfs",
+})
+
+
+def filesystem_of(path, mountinfo=None):
+    """``(mount point, file system type)`` holding ``path``, from /proc/self/mountinfo, or None."""
+    import os
+    import re
+
+    try:
+        with open(mountinfo or MOUNTINFO, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None  # not Linux, or /proc is not mounted: nothing to say
+    target = os.path.realpath(path)
+    best = None
+    for line in lines:
+        left, sep, right = line.partition(" - ")
+        fields = left.split()
+        if not sep or len(fields) < 5 or not right.split():
+            continue
+        # Spaces and other characters in mount points are octal escapes (\040).
+        mount = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4])
+        inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+        if inside and (best is None or len(mount) >= len(best[0])):
+            best = (mount, right.split()[0])
+    return best
+
+
+# Not a database-tagged check: it reads settings and /proc, never the database, so it
+# runs with every ``check`` and when runworkers starts.
+@checks.register()
+def check_sqlite_filesystem(app_configs, databases=None, **kwargs):
+    """SQLite on a network file system loses its locking guarantees."""
+    conn = connections["default"]
+    name = str(conn.settings_dict.get("NAME") or "")
+    if conn.vendor != "sqlite" or not name or ":memory:" in name or "mode=memory" in name:
+        return []
+    import os
+
+    found = filesystem_of(os.path.dirname(os.path.abspath(name)) or ".")
+    if found is None or found[1] not in NETWORK_FILESYSTEMS:
+        return []
+    return [checks.Warning(
+        f"The SQLite database {name} is on a network file system ({found[1]} at {found[0]}):"
+        " its locks are not reliable there, so workers may corrupt it or run a job twice.",
+        hint="Keep SQLite on a local disk, or use PostgreSQL for workers on several machines.",
+        id="durable.W012",
+    )]
