@@ -155,7 +155,7 @@ class ApprovalViews:
             proposal=proposal,
             values=rows,
             diff=diff,
-            cost=approvals.cost_so_far(job.pk),
+            cost=approvals.cost_so_far(job.pk, approval.step),
             timing=timing,
             can_decide=may_decide,
             show_decision=may_decide and open_ and not timing["expired"],

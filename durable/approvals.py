@@ -468,7 +468,9 @@ def _describe(approval):
 def _locked(approval_id):
     try:
         return (
-            Approval.objects.select_for_update().select_related("job", "decided_by")
+            # Only the approval row is locked (decided_by is an outer join); the job is
+            # moved by compare-and-swap, which needs no lock.
+            Approval.objects.select_for_update(of=("self",)).select_related("job", "decided_by")
             .get(pk=approval_id)
         )
     except (Approval.DoesNotExist, ValueError, TypeError):
@@ -658,9 +660,28 @@ def queue():
     )
 
 
-def cost_so_far(job_id):
-    """The job's recorded cost: the sum of its memos' costs."""
-    return StepResult.objects.filter(job_id=job_id).aggregate(total=Sum("cost"))["total"] or Decimal(0)
+_MICRO = Decimal("0.000001")
+
+
+def cost_so_far(job_id, step=None):
+    """The job's cost so far: its memos, plus the run that prepared ``step``'s proposal.
+
+    An action step's memo is written only when its action is confirmed; until then its
+    cost (the model call that prepared the proposal) is recorded on the proposal's event.
+    """
+    total = StepResult.objects.filter(job_id=job_id).aggregate(total=Sum("cost"))["total"]
+    total = Decimal(total or 0)
+    if step and not StepResult.objects.filter(job_id=job_id, step=step).exists():
+        data = (
+            JobEvent.objects.filter(job_id=job_id, step=step, kind=EventKind.ACTION,
+                                    data__phase="enqueued")
+            .order_by("-id").values_list("data", flat=True).first()
+        ) or {}
+        try:
+            total += Decimal(str(data.get("cost", "0")))
+        except ArithmeticError:
+            pass
+    return total.quantize(_MICRO)
 
 
 def diff(current, values):
