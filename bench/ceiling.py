@@ -124,14 +124,160 @@ def _loop_pg(url, index, start, seconds, out):
     conn.close()
 
 
-def measure(kind, processes, seconds, *, sqlite_path=None, synchronous="FULL", pg_url=None):
-    """Commit the transaction shape from ``processes`` processes for ``seconds``; return rates."""
-    if kind == "sqlite":
+# The statements durable's worker sends per step today (see bench/hotpath.py), written
+# as raw SQL on durable's own tables: what the engine would reach with no Python cost.
+# The gap between this and the minimal shape is the price of the schema and of the
+# statement count; the gap between this and durable is the price of Python and the ORM.
+_SQLITE_NOW = "strftime('%Y-%m-%d %H:%M:%f', 'now')"
+_SQLITE_STEP = (
+    f"UPDATE durable_job SET state = ?, updated = {_SQLITE_NOW}, attempts = 1,"
+    f" lease_until = strftime('%Y-%m-%d %H:%M:%f', 'now', '+60 seconds'),"
+    f" next_run_at = strftime('%Y-%m-%d %H:%M:%f', 'now', '+60 seconds'), wake_at = NULL,"
+    f" last_error = '' WHERE id = ? AND state = ? AND lease_token = 1"
+    f" AND lease_until >= {_SQLITE_NOW}",
+    "INSERT INTO durable_stepresult (job_id, step, output, cost, duration, attempt, workflow, at)"
+    " VALUES (?, ?, NULL, '0', 100, 1, 'bench_noop', ?)",
+    "INSERT INTO durable_jobevent (job_id, at, kind, from_state, to_state, step, actor, message,"
+    " data) VALUES (?, ?, 'step_done', ?, ?, ?, 'w', '', ?), (?, ?, 'step_done', ?, ?, ?, 'w', '', ?)",
+)
+_PG_STEP = (
+    "UPDATE durable_job SET state = %s, updated = statement_timestamp(), attempts = 1,"
+    " lease_until = statement_timestamp() + interval '60 seconds',"
+    " next_run_at = statement_timestamp() + interval '60 seconds', wake_at = NULL,"
+    " last_error = '' WHERE id = %s AND state = %s AND lease_token = 1"
+    " AND lease_until >= statement_timestamp()",
+    "INSERT INTO durable_stepresult (job_id, step, output, cost, duration, attempt, workflow, at)"
+    " VALUES (%s, %s, NULL, 0, interval '100 microseconds', 1, 'bench_noop', %s)",
+    "INSERT INTO durable_jobevent (job_id, at, kind, from_state, to_state, step, actor, message,"
+    " data) VALUES (%s, %s, 'step_done', %s, %s, %s, 'w', '', %s),"
+    " (%s, %s, 'step_done', %s, %s, %s, 'w', '', %s)",
+)
+
+
+def _schema_jobs(processes):
+    return [f"p{p}-{i}" for p in range(processes) for i in range(ROWS_PER_PROCESS)]
+
+
+def _schema_setup_sqlite(path, synchronous, processes):
+    conn = _sqlite_connect(path, synchronous)
+    conn.execute("BEGIN IMMEDIATE")
+    conn.execute("DELETE FROM durable_jobevent")
+    conn.execute("DELETE FROM durable_stepresult")
+    conn.execute("DELETE FROM durable_job")
+    conn.executemany(
+        "INSERT INTO durable_job (id, workflow, workflow_version, queue, state, payload, attempts,"
+        " next_run_at, lease_until, lease_owner, lease_token, last_error, submitted_by, created,"
+        " updated) VALUES (?, 'bench_noop', 1, 'default', 'a', '{}', 1,"
+        " '2999-01-01 00:00:00', '2999-01-01 00:00:00', 'w', 1, '', '',"
+        f" {_SQLITE_NOW}, {_SQLITE_NOW})",
+        [(j,) for j in _schema_jobs(processes)],
+    )
+    conn.execute("COMMIT")
+    conn.close()
+
+
+def _schema_setup_pg(url, processes):
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("TRUNCATE durable_job, durable_stepresult, durable_jobevent CASCADE")
+        with conn.cursor() as cur:
+            cur.executemany(
+                "INSERT INTO durable_job (id, workflow, workflow_version, queue, state, payload,"
+                " attempts, next_run_at, lease_until, lease_owner, lease_token, last_error,"
+                " submitted_by, created, updated) VALUES (%s, 'bench_noop', 1, 'default', 'a',"
+                " '{}', 1, '2999-01-01', '2999-01-01', 'w', 1, '', '', now(), now())",
+                [(j,) for j in _schema_jobs(processes)],
+            )
+        conn.execute("VACUUM ANALYZE durable_job")
+
+
+def _schema_params(job, count, state, nxt, stamp):
+    data = '{"attempt": 1}'
+    return (
+        (nxt, job, state),
+        (job, f"s{count}", stamp),
+        (job, stamp, state, f"{nxt}x", f"s{count}", data, job, stamp, f"{nxt}x", nxt, f"s{count}",
+         data),
+    )
+
+
+def _loop_schema_sqlite(path, synchronous, index, start, seconds, out):
+    conn = _sqlite_connect(path, synchronous)
+    states = {}
+    count = 0
+    start.wait()
+    deadline = time.perf_counter() + seconds
+    began = time.perf_counter()
+    cpu = time.process_time()
+    while time.perf_counter() < deadline:
+        job = f"p{index}-{count % ROWS_PER_PROCESS}"
+        state = states.get(job, "a")
+        nxt = "b" if state == "a" else "a"
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        params = _schema_params(job, count, state, nxt, stamp)
+        conn.execute("BEGIN IMMEDIATE")
+        cur = conn.execute(_SQLITE_STEP[0], params[0])
+        if cur.rowcount != 1:
+            raise RuntimeError("compare-and-swap matched nothing")
+        conn.execute(_SQLITE_STEP[1], params[1])
+        conn.execute(_SQLITE_STEP[2], params[2])
+        conn.execute("COMMIT")
+        states[job] = nxt
+        count += 1
+    out.put((count, time.perf_counter() - began, time.process_time() - cpu))
+    conn.close()
+
+
+def _loop_schema_pg(url, index, start, seconds, out):
+    import psycopg
+
+    conn = psycopg.connect(url)
+    states = {}
+    count = 0
+    start.wait()
+    deadline = time.perf_counter() + seconds
+    began = time.perf_counter()
+    cpu = time.process_time()
+    with conn.cursor() as cur:
+        while time.perf_counter() < deadline:
+            job = f"p{index}-{count % ROWS_PER_PROCESS}"
+            state = states.get(job, "a")
+            nxt = "b" if state == "a" else "a"
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S+00")
+            params = _schema_params(job, count, state, nxt, stamp)
+            cur.execute(_PG_STEP[0], params[0])
+            if cur.rowcount != 1:
+                raise RuntimeError("compare-and-swap matched nothing")
+            cur.execute(_PG_STEP[1], params[1])
+            cur.execute(_PG_STEP[2], params[2])
+            conn.commit()
+            states[job] = nxt
+            count += 1
+    out.put((count, time.perf_counter() - began, time.process_time() - cpu))
+    conn.close()
+
+
+def measure(kind, processes, seconds, *, sqlite_path=None, synchronous="FULL", pg_url=None,
+            shape="minimal"):
+    """Commit a transaction shape from ``processes`` processes for ``seconds``; return rates.
+
+    ``shape="minimal"``: one insert, one update, commit, on two small tables.
+    ``shape="durable"``: durable's per-step statements, raw, on durable's own tables
+    (which must exist: a migrated database).
+    """
+    if kind == "sqlite" and shape == "minimal":
         _sqlite_setup(sqlite_path, synchronous, processes)
         target, args = _loop_sqlite, (sqlite_path, synchronous)
-    else:
+    elif kind == "sqlite":
+        _schema_setup_sqlite(sqlite_path, synchronous, processes)
+        target, args = _loop_schema_sqlite, (sqlite_path, synchronous)
+    elif shape == "minimal":
         _pg_setup(pg_url, processes)
         target, args = _loop_pg, (pg_url,)
+    else:
+        _schema_setup_pg(pg_url, processes)
+        target, args = _loop_schema_pg, (pg_url,)
     ctx = multiprocessing.get_context("fork")
     start, out = ctx.Event(), ctx.Queue()
     procs = [ctx.Process(target=target, args=(*args, i, start, seconds, out)) for i in range(processes)]

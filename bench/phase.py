@@ -378,8 +378,22 @@ def phase_rss(args):
     return {"steps": jobs * NOOP_STEPS, "samples": samples}
 
 
-PHASES = {"drain": phase_drain, "latency": phase_latency, "claim": phase_claim,
-          "actions": phase_actions, "rss": phase_rss}
+def phase_submit(args):
+    """Only submit (for a profiled drain started by the caller)."""
+    submit_noop(args["jobs"], prefix=args.get("prefix", "j"))
+    return {"jobs": args["jobs"]}
+
+
+def phase_window(args):
+    from durable.models import Job
+
+    left = Job.objects.exclude(state=NOOP_DONE).count()
+    return {"db_window_s": window(args.get("prefix", "j")), "left": left}
+
+
+PHASES = {"submit": phase_submit, "window": phase_window, "drain": phase_drain,
+          "latency": phase_latency, "claim": phase_claim, "actions": phase_actions,
+          "rss": phase_rss}
 
 
 def main():

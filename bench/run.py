@@ -64,7 +64,7 @@ def parse_args(argv=None):
     p.add_argument("--claims", type=int, default=200, help="claims timed per size and repeat")
     p.add_argument("--action-jobs", type=int, default=500, help="one-action jobs for the actions figure")
     p.add_argument("--skip", type=_csv(str), default=[],
-                   help="figures to leave out: ceiling,drain,latency,claim,actions")
+                   help="figures to leave out: ceiling,schema,drain,latency,claim,actions")
     p.add_argument("--long", action="store_true", help="also measure RSS over --rss-steps steps")
     p.add_argument("--rss-steps", type=int, default=100_000)
     p.add_argument("--quick", action="store_true",
@@ -78,6 +78,10 @@ def parse_args(argv=None):
     p.add_argument("--json", default=str(ROOT / "bench" / "results" / "latest.json"))
     p.add_argument("--markdown", default=None, help="also write the tables as Markdown here")
     p.add_argument("--keep", action="store_true", help="keep the benchmark databases afterwards")
+    p.add_argument("--profile", action="store_true",
+                   help="instead of the figures: profile a 1-process drain on each database "
+                        "(py-spy, needs `pip install py-spy pyinstrument`) and count statements per step")
+    p.add_argument("--profile-dir", default=str(ROOT / "bench" / "results"))
     args = p.parse_args(argv)
     if args.quick:
         args.jobs = min(args.jobs, 300)
@@ -197,19 +201,23 @@ class Bench:
             print(f"  ! {what} failed: {exc}", file=sys.stderr)
             return None
 
-    def ceiling(self, db, synchronous, processes, repeat):
+    def ceiling(self, db, synchronous, processes, repeat, shape="minimal"):
         if db == "sqlite":
-            path = self.tmp / "ceiling.sqlite3"
+            path = self.tmp / f"ceiling-{shape}.sqlite3"
             for suffix in ("", "-wal", "-shm"):
                 Path(f"{path}{suffix}").unlink(missing_ok=True)
+            if shape == "durable":
+                shutil.copyfile(self.template, path)
             res = ceiling.measure("sqlite", processes, self.args.ceiling_seconds,
-                                  sqlite_path=str(path), synchronous=synchronous)
+                                  sqlite_path=str(path), synchronous=synchronous, shape=shape)
         else:
             self.fresh(db)
-            res = ceiling.measure("postgres", processes, self.args.ceiling_seconds, pg_url=self.pg_url)
+            res = ceiling.measure("postgres", processes, self.args.ceiling_seconds,
+                                  pg_url=self.pg_url, shape=shape)
         label = self.label(db, synchronous)
-        print(f"  ceiling {label} p={processes}: {res['tx_per_s']:.0f} tx/s", file=sys.stderr)
-        return self.record("ceiling", label, repeat, processes=processes, **res)
+        print(f"  ceiling ({shape}) {label} p={processes}: {res['tx_per_s']:.0f} tx/s",
+              file=sys.stderr)
+        return self.record("ceiling", label, repeat, processes=processes, shape=shape, **res)
 
     def drain(self, db, synchronous, processes, repeat):
         env = self.fresh(db, synchronous)
@@ -263,6 +271,40 @@ class Bench:
               f"{samples[-1]['rss_mb']:.1f} MB at {samples[-1]['steps']} steps", file=sys.stderr)
         return self.record("rss", label, 0, **res)
 
+    def profile(self, db, synchronous):
+        """py-spy over a real 1-process burst drain, then the inline statement count."""
+        out = Path(self.args.profile_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        label = self.label(db, synchronous)
+        env = self.fresh(db, synchronous)
+        self.phase("submit", env, jobs=self.args.jobs)
+        raw = out / f"py-spy-{label}.txt"
+        spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+        command = [spy, "record", "--nonblocking", "-r", "200", "-f", "raw", "-o", str(raw),
+                   "--subprocesses", "--", sys.executable, str(ROOT / "manage.py"), "runworkers",
+                   "--burst", "--processes", "1"]
+        with open(self.logs / f"py-spy-{label}.log", "wb") as log:
+            subprocess.run(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                           check=True)
+        window = self.phase("window", env)
+        steps = self.args.jobs * 3
+        from bench import spy as spy_report
+
+        text = spy_report.render(spy_report.summarise(raw), window["db_window_s"], steps)
+        header = (f"# py-spy (200 Hz, nonblocking) over `runworkers --burst -p 1`, {label}, "
+                  f"{self.args.jobs} jobs x 3 no-op steps: {steps / window['db_window_s']:.0f} "
+                  f"steps/s under the profiler\n")
+        (out / f"profile-{label}.txt").write_text(header + text + "\n")
+        print(header + text, file=sys.stderr)
+        env = self.fresh(db, synchronous)
+        hot = subprocess.run([sys.executable, "-m", "bench.hotpath", "--jobs", "200",
+                              "--profile-jobs", "1000", "--out", str(out)], cwd=ROOT,
+                             env={**env, "BENCH_HOTPATH_LABEL": label}, capture_output=True,
+                             text=True)
+        print(hot.stdout, file=sys.stderr)
+        if hot.returncode != 0:
+            raise RuntimeError(hot.stderr[-2000:])
+
     def label(self, db, synchronous):
         return f"sqlite-{synchronous.lower()}" if db == "sqlite" else db
 
@@ -274,6 +316,11 @@ class Bench:
 
     def run(self):
         a, skip = self.args, set(self.args.skip)
+        if a.profile:
+            for db, sync in self.variants():
+                if sync == "FULL":
+                    self.attempt(f"profile {db}", self.profile, db, sync)
+            return
         for repeat in range(a.repeat):
             print(f"repeat {repeat + 1}/{a.repeat}", file=sys.stderr)
             for db, sync in self.variants():
@@ -281,6 +328,9 @@ class Bench:
                 for p in a.processes:
                     if "ceiling" not in skip:
                         self.attempt(f"ceiling {label} p={p}", self.ceiling, db, sync, p, repeat)
+                    if "schema" not in skip:
+                        self.attempt(f"schema ceiling {label} p={p}", self.ceiling, db, sync, p,
+                                     repeat, "durable")
                     if "drain" not in skip:
                         self.attempt(f"durable {label} p={p}", self.drain, db, sync, p, repeat)
                 if "latency" not in skip:

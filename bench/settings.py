@@ -19,6 +19,10 @@ from project.settings import DURABLE, INSTALLED_APPS, sqlite_options
 
 INSTALLED_APPS = [*INSTALLED_APPS, "bench"]
 
+# Production conditions: with DEBUG on, Django wraps every cursor to log each query,
+# which is a cost no deployed worker pays. BENCH_DEBUG=1 measures it anyway.
+DEBUG = os.environ.get("BENCH_DEBUG") == "1"
+
 env = environ.Env()
 which = os.environ.get("BENCH_DATABASE", "sqlite")
 if which == "postgres":

@@ -1,0 +1,135 @@
+"""Where a worker's time per step goes: statements per step, commits, and a profile.
+
+    python -m bench.hotpath [--jobs 300] [--profile-jobs 1000] [--out DIR]
+
+Runs in one Django process on the database the environment names (bench/settings.py;
+bench/run.py --profile sets it up). The loop is the worker's own (``Worker.runner``:
+claim, then run the job's steps under the lease), inline, with its heartbeat thread
+running, so the statements and the time are what ``runworkers`` spends per step.
+"""
+
+import argparse
+import collections
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _setup():
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "bench.settings")
+    sys.path.insert(0, str(ROOT))
+    import django
+
+    django.setup()
+
+
+def _normalise(sql):
+    sql = re.sub(r"'[^']*'", "?", sql)
+    sql = re.sub(r"\b\d+(\.\d+)?\b", "?", sql)
+    sql = re.sub(r"\s+", " ", sql).strip()
+    sql = re.sub(r"IN \([?, ]+\)", "IN (...)", sql)
+    return sql
+
+
+class Commits:
+    """Counts commits (Django does not log them as queries)."""
+
+    def __init__(self, conn):
+        self.conn, self.count = conn, 0
+        self._original = conn.commit
+
+        def commit():
+            self.count += 1
+            return self._original()
+
+        conn.commit = commit
+
+    def close(self):
+        self.conn.commit = self._original
+
+
+def drain_inline(worker):
+    steps = 0
+    while True:
+        started = worker.runner.claim(worker.workflows, worker.queues)
+        if started is None:
+            return steps
+        while started is not None:
+            steps += 1
+            started = worker.runner.run_step(started)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--jobs", type=int, default=200, help="jobs whose statements are counted")
+    p.add_argument("--profile-jobs", type=int, default=1000, help="jobs drained under pyinstrument")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = p.parse_args(argv)
+    _setup()
+    from django.db import connection, connections
+    from django.test.utils import CaptureQueriesContext
+
+    from bench.phase import submit_noop
+    from durable.models import Job
+    from durable.worker import Worker
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    vendor = connection.vendor
+    label = os.environ.get("BENCH_HOTPATH_LABEL", vendor)
+    worker = Worker(name="bench-hotpath", burst=True)
+    worker.heartbeat.start()
+
+    # Warm up (imports, prepared plans, caches), then count.
+    submit_noop(20, prefix="warm")
+    drain_inline(worker)
+    submit_noop(args.jobs, prefix="count")
+    commits = Commits(connections["default"])
+    began = time.perf_counter()
+    with CaptureQueriesContext(connection) as ctx:
+        steps = drain_inline(worker)
+    elapsed = time.perf_counter() - began
+    commits.close()
+    assert Job.objects.filter(id__startswith="count-").exclude(state="three_done").count() == 0
+    # The final claim that found nothing is not a step's cost.
+    by_statement = collections.Counter(_normalise(q["sql"]) for q in ctx.captured_queries)
+    lines = [f"# statements per step on {vendor}: {args.jobs} jobs, {steps} steps, inline worker loop",
+             f"# {len(ctx.captured_queries)} statements ({len(ctx.captured_queries) / steps:.2f}/step),"
+             f" {commits.count} commits ({commits.count / steps:.2f}/step),"
+             f" {elapsed / steps * 1e6:.0f} us/step wall (statement capture on)", ""]
+    for sql, n in by_statement.most_common():
+        lines.append(f"{n / args.jobs:6.2f}/job {n / steps:5.2f}/step  {sql[:400]}")
+    (out / f"statements-{label}.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[:2]))
+
+    # Time per step without capture, then under pyinstrument.
+    submit_noop(args.jobs, prefix="plain")
+    began = time.perf_counter()
+    cpu = time.process_time()
+    steps = drain_inline(worker)
+    print(f"# plain inline loop: {(time.perf_counter() - began) / steps * 1e6:.0f} us/step wall, "
+          f"{(time.process_time() - cpu) / steps * 1e6:.0f} us/step CPU")
+    try:
+        from pyinstrument import Profiler
+    except ImportError:
+        print("pyinstrument is not installed: pip install pyinstrument (not a project dependency)")
+        return 0
+    submit_noop(args.profile_jobs, prefix="prof")
+    profiler = Profiler(interval=0.0002)
+    profiler.start()
+    steps = drain_inline(worker)
+    profiler.stop()
+    text = profiler.output_text(unicode=True, color=False, show_all=False)
+    (out / f"pyinstrument-{label}.txt").write_text(text)
+    (out / f"pyinstrument-{label}.html").write_text(profiler.output_html())
+    print(f"# pyinstrument: {steps} steps -> {out}/pyinstrument-{label}.txt")
+    worker.heartbeat.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
