@@ -54,6 +54,21 @@ class OperatorError(DurableError):
     """An operator verb was refused (wrong state, live lease, stale form). Nothing changed."""
 
 
+class UnknownDestination(DurableError, LookupError):
+    """No action destination is registered or configured under this name.
+
+    Nothing was sent. Retrying cannot help until the destination is added to
+    DURABLE["DESTINATIONS"] or registered in code; then requeue the job.
+    """
+
+
+class ActionChanged(OperatorError):
+    """The action changed since the operator looked at it (its version moved on).
+
+    Nothing changed. Reload the action and decide again on what it says now.
+    """
+
+
 class WorkflowConfigurationError(DurableError):
     """A workflow or transition table is malformed; raised at declaration time."""
 

@@ -194,7 +194,8 @@ class Runner:
         if isinstance(returned, Output):
             cost += Decimal(str(returned.cost))
             returned = returned.value
-        if isinstance(returned, Action):
+        if isinstance(returned, Action) or step.action:
+            # An action step that returns anything else is refused there, clearly.
             return self._action(started, returned, ctx, cost, duration)
         try:
             output = json.loads(json.dumps(returned, cls=DjangoJSONEncoder))

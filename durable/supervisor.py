@@ -45,23 +45,35 @@ def _run_role(role, index, options):
     worker.run()
 
 
+def _dispatcher(**options):
+    from .dispatch import Dispatcher
+
+    return Dispatcher(**options)
+
+
 # role -> factory(name=..., **options) of an object with run()/stop()/install_signal_handlers();
-# None means the job Worker. Other modules add roles (the outbox dispatcher).
-ROLES = {"worker": None}
+# None means the job Worker.
+ROLES = {"worker": None, "dispatcher": _dispatcher}
 
 
 class Supervisor:
     """Starts and watches child processes; drains them on SIGTERM/SIGINT."""
 
     def __init__(self, *, processes=None, burst=False, workflows=None, queues=None,
-                 lease_seconds=None, roles=None, grace=None):
+                 lease_seconds=None, roles=None, grace=None, dispatchers=1, workers=True):
         self.processes = processes or durable_settings.PROCESSES or os.cpu_count() or 1
         self.burst = burst
         self.grace = durable_settings.SHUTDOWN_GRACE if grace is None else grace
         worker_options = {"workflows": workflows, "queues": queues, "burst": burst,
                           "lease_seconds": lease_seconds}
-        # [(role, count, options)]
-        self.roles = roles if roles is not None else [("worker", self.processes, worker_options)]
+        # [(role, count, options)]; the outbox dispatcher runs beside the workers.
+        if roles is None:
+            roles = [("worker", self.processes, worker_options)] if workers else []
+            if dispatchers:
+                # In burst mode a dispatcher beside workers waits until they are done.
+                roles.append(("dispatcher", dispatchers,
+                              {**worker_options, "wait_for_workers": bool(workers)}))
+        self.roles = roles
         self.children = {}  # slot -> Process
         self._stopping = False
         self._signals = 0

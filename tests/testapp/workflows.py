@@ -133,3 +133,4 @@ class WaitUntil(Workflow):
 
 from . import approval_workflows  # noqa: E402, F401 - registers the approval test workflows
 from . import drill_workflows  # noqa: E402, F401 - registers the crash drill workflows
+from . import actions_workflows  # noqa: E402, F401 - registers the action test workflows

@@ -18,15 +18,30 @@ class Command(BaseCommand):
                             help="Drain everything runnable now, then exit.")
         parser.add_argument("--lease", type=float, default=None,
                             help="Lease seconds (default: DURABLE['LEASE_SECONDS']).")
+        parser.add_argument("--dispatchers", type=int, default=1,
+                            help="Outbox dispatcher processes that send actions (default 1).")
+        parser.add_argument("--no-dispatcher", action="store_true",
+                            help="Run no outbox dispatcher (another machine runs it).")
+        parser.add_argument("--dispatcher-only", action="store_true",
+                            help="Run only the outbox dispatcher, no job workers.")
 
-    def handle(self, *args, processes, workflows, queues, burst, lease, **options):
+    def handle(self, *args, processes, workflows, queues, burst, lease, dispatchers,
+               no_dispatcher, dispatcher_only, **options):
         if processes is not None and processes < 1:
             raise CommandError("--processes must be at least 1")
+        if dispatchers < 1:
+            raise CommandError("--dispatchers must be at least 1 (use --no-dispatcher for none)")
+        if no_dispatcher and dispatcher_only:
+            raise CommandError("--no-dispatcher and --dispatcher-only leave nothing to run")
+        if dispatcher_only and processes is not None:
+            raise CommandError("--dispatcher-only runs no workers; drop --processes")
         for name in workflows:
             if name not in registry:
                 raise CommandError(f"Unknown workflow {name!r}; known: {', '.join(registry.names())}")
         supervisor = Supervisor(processes=processes, burst=burst, workflows=workflows,
-                                queues=queues, lease_seconds=lease)
+                                queues=queues, lease_seconds=lease,
+                                dispatchers=0 if no_dispatcher else dispatchers,
+                                workers=not dispatcher_only)
         return_code = supervisor.run()
         if return_code:
             raise CommandError(f"runworkers exited with status {return_code}")

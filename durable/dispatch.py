@@ -1,0 +1,907 @@
+"""The outbox: actions written with their step, and the dispatcher that sends them.
+
+An action step returns ``Action(destination, operation, values)`` instead of doing
+anything. ``enqueue_action`` writes it as an Outbox row in the transaction that moves
+the job to ``in_flight_<step>``. The dispatcher claims due rows under a lease (like
+jobs), commits *attempted* before it sends, sends with the row's stable idempotency
+key, and records what it learned:
+
+    succeeded   the memo is the confirmed result; the job advances
+    failed      confirmed refusal (4xx): the job goes to failed_<step>, no retry
+    not sent    refused at the door or no connection: retried later, same key
+    unknown     the reply was lost: the job waits in unknown_<step> and the action is
+                reconciled (lookup, or a resend the destination deduplicates) before
+                any new write, or waits for an operator (durable.reconcile)
+
+A row found *attempted* by a claim (its dispatcher died between marking and
+recording) is unknown: it was perhaps sent.
+"""
+
+import datetime
+import hashlib
+import json
+import logging
+import os
+import re
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from django.core.exceptions import ImproperlyConfigured
+from django.core.serializers.json import DjangoJSONEncoder
+from django.db import close_old_connections, connection, connections, transaction
+from django.db.models import F, Q
+from django.db.models.functions import Now
+from django.db.utils import DatabaseError, InterfaceError
+
+from . import destinations, faults, locking
+from .conf import durable_settings
+from .destinations import Outcome, Request
+from .exceptions import UnknownDestination, UnknownWorkflow
+from .models import EventKind, Job, JobEvent, Outbox, OutboxStatus, Pause, StepResult
+from .retry import backoff, scrub
+from .signals import job_finished
+from .states import CANCELLED
+from .worker import Waiter, worker_id
+from .workflows import Action, registry
+
+logger = logging.getLogger("durable.dispatch")
+
+OUTBOX_CHANNEL = "durable_outbox"
+
+
+# Identity of an action ------------------------------------------------------------------
+
+
+def wire_values(values):
+    """The values as stored and sent: JSON types only (a Decimal or a date is its string)."""
+    if not isinstance(values, dict):
+        raise TypeError(f"an action's values must be a dict, not {type(values).__name__}")
+    try:
+        return json.loads(json.dumps(values, cls=DjangoJSONEncoder, allow_nan=False))
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"the action's values are not JSON-serialisable: {exc}") from None
+
+
+def canonical_json(value):
+    """One text per value: sorted keys, no whitespace, no process-dependent ordering."""
+    return json.dumps(value, cls=DjangoJSONEncoder, sort_keys=True, separators=(",", ":"),
+                      ensure_ascii=True, allow_nan=False)
+
+
+def params_hash(destination, operation, values):
+    """sha256 of what the action does: changed parameters are a different operation."""
+    text = canonical_json({"destination": destination, "operation": operation,
+                           "values": wire_values(values)})
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+_READABLE = re.compile(r"^[A-Za-z0-9._~-]{1,100}$")
+
+
+def idempotency_key(job_id, kind, params):
+    """The key sent with every attempt of this action: the job, the step and the parameters.
+
+    Readable (``job.kind.hash``) when the job key is short and header-safe; otherwise
+    a hash of all three, so any job key gives a valid, bounded header value.
+    """
+    if _READABLE.match(job_id) and _READABLE.match(kind):
+        return f"{job_id}.{kind}.{params[:16]}"
+    digest = hashlib.sha256(f"{job_id}\x00{kind}\x00{params}".encode()).hexdigest()
+    return f"durable-{digest[:40]}"
+
+
+def action_identity(job_id, kind, destination, operation, values):
+    """``(params_hash, idempotency_key)`` of an action, the same in every process."""
+    params = params_hash(destination, operation, values)
+    return params, idempotency_key(job_id, kind, params)
+
+
+# Enqueueing (called by the runner, under the job's lease) ---------------------------------
+
+
+def _requires_approval(st, action, ctx):
+    if not st.approval:
+        return False
+    if st.approval is True or not callable(st.approval):
+        return True
+    try:
+        return bool(st.approval(action, ctx))
+    except Exception:  # noqa: BLE001 - a predicate that fails cannot waive approval
+        logger.exception("approval predicate of step %s failed; approval required", st.name)
+        return True
+
+
+def _validate(action):
+    if not isinstance(action, Action):
+        raise TypeError(f"an action step must return durable.Action, not {type(action).__name__}")
+    for name in ("destination", "operation"):
+        value = getattr(action, name)
+        if not isinstance(value, str) or not value or len(value) > 100:
+            raise ValueError(f"Action.{name} must be a non-empty string of at most 100 characters")
+    destinations.get(action.destination)  # UnknownDestination (poison) before anything is written
+    return wire_values(action.values)
+
+
+def enqueue_action(runner, started, action, ctx, cost, duration):
+    """Write ``action`` to the outbox and move the job in flight, in one fenced transaction.
+
+    Returns None: the job leaves this worker; the dispatcher owns its next move.
+    """
+    claimed, st, states = started.claimed, started.step, started.states
+    try:
+        values = _validate(action)
+        approval = _requires_approval(st, action, ctx)
+        if approval:
+            try:
+                from .approvals import request_approval
+            except ImportError:
+                raise ImproperlyConfigured(
+                    f"step {st.name} needs approval, but durable.approvals is not available;"
+                    " nothing was proposed or sent"
+                ) from None
+    except Exception as exc:  # noqa: BLE001 - classified (mostly poison) by the step's policy
+        return runner._failed(started, exc, duration.total_seconds())
+    if approval:
+        return request_approval(runner, started, action, ctx, cost, duration)
+
+    params, key = action_identity(claimed.id, st.name, action.destination, action.operation,
+                                  values)
+    token = claimed.lease_token
+    data = {"phase": "enqueued", "key": key, "destination": action.destination,
+            "operation": action.operation, "attempt": started.attempt, "cost": str(cost),
+            "ms": round(duration.total_seconds() * 1000, 3)}
+    message = f"{action.operation} on {action.destination} queued"
+    memo = conflict = None
+    with transaction.atomic():
+        row = Outbox.objects.select_for_update().filter(job_id=claimed.id, kind=st.name).first()
+        unsettled = (OutboxStatus.PENDING, OutboxStatus.ATTEMPTED, OutboxStatus.UNKNOWN)
+        if row is not None and row.status == OutboxStatus.SUCCEEDED:
+            # Result confirmed earlier (the step was sent back past it): use the
+            # recorded result, never repeat the action.
+            memo = _memo(row, how="recorded earlier")
+        elif row is not None and row.status in unsettled and row.params_hash != params:
+            conflict = (f"an earlier {row.operation} on {row.destination} for this step is still"
+                        f" {row.status} (key {row.idempotency_key}); settle it before the step"
+                        " may send a different action")
+        else:
+            if row is not None and row.status in unsettled:
+                # The same action, not settled: the dispatcher takes it from its status
+                # (an attempted or unknown one is reconciled, never blindly resent).
+                message = f"{action.operation} on {action.destination} already {row.status}"
+            ok = locking.transition(
+                claimed, states.in_flight, token=token, actor=runner.owner, step=st.name,
+                table=started.table, kind=EventKind.ACTION, message=message, data=data,
+                fields={"lease_until": None, "lease_owner": None, "next_run_at": None,
+                        "last_error": ""},
+            )
+            if not ok:
+                runner._lost(started)
+                return None
+            fresh = {"destination": action.destination, "operation": action.operation,
+                     "payload": values, "params_hash": params, "idempotency_key": key,
+                     "status": OutboxStatus.PENDING, "attempts": 0, "lookups": 0,
+                     "next_attempt_at": Now(), "lease_until": None, "lease_owner": None,
+                     "sent_at": None, "remote_id": "", "response_summary": "", "last_error": ""}
+            if row is None:
+                Outbox.objects.create(job_id=claimed.id, kind=st.name, **fresh)
+            elif row.status in unsettled:
+                Outbox.objects.filter(pk=row.pk).update(next_attempt_at=Now(), updated=Now(),
+                                                        version=F("version") + 1)
+            else:
+                # Requeued after a confirmed failure or a withdrawal: a new dispatch of
+                # this step's action (the same key if the parameters are the same).
+                Outbox.objects.filter(pk=row.pk).update(**fresh, version=F("version") + 1,
+                                                        updated=Now())
+            locking.notify(OUTBOX_CHANNEL, claimed.id)
+    if memo is not None:
+        return runner._complete(started, memo, cost, duration)
+    if conflict is not None:
+        runner._fail(claimed, started.table, states, started.attempt, conflict)
+        return None
+    logger.info("%s job=%s step=%s -> %s: %s (key %s)", runner.owner, claimed.id, st.name,
+                claimed.state, message, key)
+    runner._signal_finished(started, "action")
+    return None
+
+
+def _memo(row, *, how, data=None):
+    """The step's memo for a confirmed action: what the next step reads."""
+    return {
+        "remote_id": row.remote_id,
+        "status": OutboxStatus.SUCCEEDED.value,
+        "response": data if data is not None else row.response_summary,
+        "destination": row.destination,
+        "operation": row.operation,
+        "idempotency_key": row.idempotency_key,
+        "confirmed_by": how,
+    }
+
+
+# Claiming outbox rows (raw SQL, database clock only) ------------------------------------
+
+_COLUMNS = ("id", "job_id", "kind", "destination", "operation", "payload", "idempotency_key",
+            "status", "attempts", "lookups", "lease_token", "version", "last_error")
+
+# PostgreSQL: FOR UPDATE SKIP LOCKED lets several dispatchers claim different rows at
+# once without queueing on each other. A row is due when next_attempt_at has passed;
+# the claim pushes next_attempt_at to the lease's end, so a dispatcher that dies
+# leaves the row due again exactly when its lease expires (no separate reaper).
+_PG_CLAIM = """
+WITH candidate AS (
+    SELECT o.id, o.lease_owner AS previous_owner
+    FROM durable_outbox o
+    WHERE o.next_attempt_at <= statement_timestamp()
+      AND NOT EXISTS (
+          SELECT 1 FROM durable_job j JOIN durable_pause p ON p.workflow = j.workflow
+          WHERE j.id = o.job_id)
+    ORDER BY o.next_attempt_at
+    LIMIT %(limit)s
+    FOR UPDATE OF o SKIP LOCKED
+)
+UPDATE durable_outbox AS o
+SET lease_owner = %(owner)s,
+    lease_token = o.lease_token + 1,
+    lease_until = statement_timestamp() + %(lease)s * interval '1 second',
+    next_attempt_at = statement_timestamp() + %(lease)s * interval '1 second',
+    updated = statement_timestamp()
+FROM candidate
+WHERE o.id = candidate.id
+RETURNING o.id, o.job_id, o.kind, o.destination, o.operation, o.payload::text,
+          o.idempotency_key, o.status, o.attempts, o.lookups, o.lease_token, o.version,
+          o.last_error, candidate.previous_owner
+"""
+
+_SQLITE_NOW = "strftime('%Y-%m-%d %H:%M:%f', 'now')"
+
+# Parameters are bound with %s, so literal percent signs are doubled.
+_SQLITE_PICK = f"""
+SELECT o.id, o.lease_owner FROM durable_outbox o
+WHERE o.next_attempt_at <= {_SQLITE_NOW.replace('%', '%%')}
+  AND NOT EXISTS (
+      SELECT 1 FROM durable_job j JOIN durable_pause p ON p.workflow = j.workflow
+      WHERE j.id = o.job_id)
+ORDER BY o.next_attempt_at
+LIMIT %s
+"""
+
+_SQLITE_TAKE = """
+UPDATE durable_outbox
+SET lease_owner = %s,
+    lease_token = lease_token + 1,
+    lease_until = strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now', %s),
+    next_attempt_at = strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now', %s),
+    updated = strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now')
+WHERE id IN ({ids})
+RETURNING id, job_id, kind, destination, operation, payload, idempotency_key, status,
+          attempts, lookups, lease_token, version, last_error
+"""
+
+
+class ClaimedAction:
+    """An outbox row as the claim returned it, plus the lease this dispatcher holds."""
+
+    def __init__(self, values, previous_owner):
+        for name, value in zip(_COLUMNS, values, strict=True):
+            setattr(self, name, value)
+        if isinstance(self.payload, str):
+            self.payload = json.loads(self.payload)
+        self.previous_owner = previous_owner
+
+    @property
+    def pk(self):
+        return self.id
+
+    def request(self):
+        return Request(destination=self.destination, operation=self.operation,
+                       values=self.payload, idempotency_key=self.idempotency_key,
+                       job_id=self.job_id, kind=self.kind, attempt=self.attempts)
+
+
+def claim_pg(owner, lease_seconds, limit):
+    """PostgreSQL: claim up to ``limit`` due rows with FOR UPDATE SKIP LOCKED."""
+    with connection.cursor() as cursor:
+        cursor.execute(_PG_CLAIM, {"owner": owner, "lease": float(lease_seconds),
+                                   "limit": int(limit)})
+        return [ClaimedAction(row[:-1], row[-1]) for row in cursor.fetchall()]
+
+
+def claim_sqlite(owner, lease_seconds, limit):
+    """SQLite: select then update in one IMMEDIATE transaction (it holds the write lock)."""
+    with connection.cursor() as cursor:
+        cursor.execute(_SQLITE_PICK, [int(limit)])
+        picked = dict(cursor.fetchall())
+        if not picked:
+            return []
+        modifier = f"+{float(lease_seconds)} seconds"
+        sql = _SQLITE_TAKE.format(ids=", ".join("%s" for _ in picked))
+        cursor.execute(sql, [owner, modifier, modifier, *picked])
+        rows = [ClaimedAction(row, picked.get(row[0])) for row in cursor.fetchall()]
+    return sorted(rows, key=lambda r: list(picked).index(r.id))
+
+
+def claim_actions(owner, lease_seconds, limit):
+    """Take the lease of up to ``limit`` due outbox rows, in one short transaction."""
+    with transaction.atomic():
+        if locking.is_postgres():
+            return claim_pg(owner, lease_seconds, limit)
+        return claim_sqlite(owner, lease_seconds, limit)
+
+
+def next_due():
+    """When the earliest outbox row becomes due (served by the partial index), or None."""
+    return (Outbox.objects.filter(next_attempt_at__isnull=False).order_by("next_attempt_at")
+            .values_list("next_attempt_at", flat=True).first())
+
+
+# The dispatcher ---------------------------------------------------------------------------
+
+
+class _Missing(destinations.Destination):
+    """Stands in for a destination that is no longer configured: nothing can be sent."""
+
+    def __init__(self, name, error):
+        super().__init__(name)
+        self.error = error
+
+    def dispatch(self, request):
+        return Outcome.not_sent(self.error)
+
+
+class _Context:
+    """What the dispatcher needs about one claimed row: its job, step and destination."""
+
+    def __init__(self, row, job, workflow, st, states, destination):
+        self.row = row
+        self.job = job
+        self.workflow = workflow
+        self.step = st
+        self.states = states
+        self.table = workflow.table
+        self.destination = destination
+
+
+class Dispatcher:
+    """Claims due outbox rows and sends them; one per process (several threads)."""
+
+    def __init__(self, *, name=None, burst=False, lease_seconds=None, poll_interval=None,
+                 batch_size=None, threads=None, workflows=None, queues=None,
+                 wait_for_workers=True):
+        self.name = name or worker_id("dispatcher")
+        self.burst = burst
+        # Only used by burst mode, to know when the workers it runs beside are done.
+        self.workflows = workflows or None
+        self.queues = queues or None
+        self.wait_for_workers = wait_for_workers
+        self.lease_seconds = float(lease_seconds or durable_settings.LEASE_SECONDS)
+        self.batch_size = int(batch_size or durable_settings.DISPATCH_BATCH_SIZE)
+        # Rows of one batch are sent concurrently, so one slow destination does not
+        # hold the others back past their leases.
+        self.threads = int(threads or self.batch_size)
+        self.waiter = OutboxWaiter(poll_interval or durable_settings.POLL_INTERVAL)
+        self._pool = None
+        self._stopping = False
+        self._signals = 0
+        self.processed = 0
+
+    @property
+    def stopping(self):
+        return self._stopping
+
+    def stop(self):
+        """Stop claiming; rows being sent are recorded, then the loop exits. Idempotent."""
+        self._stopping = True
+
+    def install_signal_handlers(self):
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+
+    def _on_signal(self, signum, frame):
+        self._signals += 1
+        if self._signals == 1:
+            logger.info("%s received %s: recording the actions in flight, then exiting",
+                        self.name, signal.strsignal(signum))
+            self.stop()
+        else:
+            # As safe as a crash: an attempted row is reconciled by the next claim.
+            logger.warning("%s received %s again: exiting now", self.name,
+                           signal.strsignal(signum))
+            logging.shutdown()
+            os._exit(1)
+
+    # The loop --------------------------------------------------------------------------
+
+    def run(self):
+        faults.configure()
+        logger.info("%s started (lease %ss, batch %d%s)", self.name, self.lease_seconds,
+                    self.batch_size, ", burst" if self.burst else "")
+        failures = 0
+        try:
+            while not self._stopping:
+                try:
+                    close_old_connections()
+                    if self.run_once():
+                        failures = 0
+                        continue
+                    if self.burst and self._idle():
+                        break
+                    self.waiter.wait(lambda: self._stopping)
+                    failures = 0
+                except (DatabaseError, InterfaceError) as exc:
+                    # The database went away: start again with fresh connections. A row
+                    # marked attempted stays so and is reconciled after its lease.
+                    failures += 1
+                    delay = min(30.0, 0.5 * 2 ** min(failures, 6))
+                    logger.warning("%s database error, reconnecting in %.1fs: %s", self.name,
+                                   delay, exc)
+                    for conn in connections.all(initialized_only=True):
+                        try:
+                            conn.close()
+                        except DatabaseError:
+                            pass
+                    self.waiter.close()
+                    time.sleep(delay)
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+            self.waiter.close()
+            logger.info("%s stopped", self.name)
+
+    def _idle(self):
+        """Burst mode: nothing due now, and no job that could still produce an action now."""
+        if Outbox.objects.due().exists():
+            return False
+        if not self.wait_for_workers:
+            return True
+        busy = Job.objects.filter(Q(next_run_at__lte=Now()) | Q(lease_until__gte=Now()))
+        if self.workflows:
+            busy = busy.filter(workflow__in=self.workflows)
+        if self.queues:
+            busy = busy.filter(queue__in=self.queues)
+        return not busy.exclude(workflow__in=Pause.objects.values("workflow")).exists()
+
+    def run_once(self):
+        """Claim one batch of due rows and settle each; return how many were claimed."""
+        rows = claim_actions(self.name, self.lease_seconds, self.batch_size)
+        if not rows:
+            return 0
+        if self.threads <= 1 or len(rows) == 1:
+            for index, row in enumerate(rows):
+                if self._stopping:
+                    self._release(rows[index:])
+                    break
+                self.process(row)
+        else:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="durable-dispatch")
+            for future in [self._pool.submit(self._process_in_thread, row) for row in rows]:
+                future.result()
+        self.processed += len(rows)
+        return len(rows)
+
+    def _process_in_thread(self, row):
+        close_old_connections()
+        try:
+            self.process(row)
+        except (DatabaseError, InterfaceError) as exc:
+            # This row's lease expires and another claim picks it up; nothing is lost.
+            logger.warning("%s action=%s database error: %s", self.name, row.id, exc)
+            connection.close()
+        finally:
+            close_old_connections()
+
+    def _release(self, rows):
+        """Give back rows claimed but not started (a drain between rows)."""
+        for row in rows:
+            self._row(row).update(lease_until=None, lease_owner=None, next_attempt_at=Now())
+
+    def _row(self, row):
+        """The row, fenced by this dispatcher's lease token."""
+        return Outbox.objects.filter(pk=row.id, lease_token=row.lease_token)
+
+    # One row ---------------------------------------------------------------------------
+
+    def process(self, row):
+        """Do the right thing for a claimed row from its status alone."""
+        ctx = self._context(row)
+        if ctx is None:
+            return
+        if row.status == OutboxStatus.PENDING:
+            self._send(ctx, OutboxStatus.PENDING)
+        elif row.status == OutboxStatus.ATTEMPTED:
+            # Its dispatcher died (or stalled past its lease) between marking and
+            # recording: perhaps sent. Never resend blindly: reconcile.
+            who = row.previous_owner or "a dispatcher"
+            self._unknown(ctx, f"{who} stopped after marking attempt {row.attempts} and before"
+                               " recording its outcome", "", soon=True)
+        elif row.status == OutboxStatus.UNKNOWN:
+            self._reconcile(ctx)
+        else:
+            self._row(row).update(next_attempt_at=None, lease_until=None, lease_owner=None)
+
+    def _context(self, row):
+        job = Job.objects.filter(pk=row.job_id).first()
+        if job is None:
+            return None  # the job was deleted (and the row with it)
+        try:
+            workflow = registry.get(job.workflow)
+            st = workflow.steps_by_name[row.kind]
+        except (UnknownWorkflow, KeyError) as exc:
+            why = f"cannot dispatch: {exc}; redeploy the workflow, then look it up again"
+            self._row(row).update(next_attempt_at=None, lease_until=None, lease_owner=None,
+                                  last_error=scrub(why), version=F("version") + 1)
+            logger.error("%s action=%s %s", self.name, row.id, why)
+            return None
+        states = next(s for s in workflow.table.steps if s.step == st.name)
+        try:
+            destination = destinations.get(row.destination)
+        except (UnknownDestination, ImproperlyConfigured) as exc:
+            destination = _Missing(row.destination, str(exc))
+        return _Context(row, job, workflow, st, states, destination)
+
+    def _event(self, ctx, message, *, kind=EventKind.ACTION, data=None):
+        row = ctx.row
+        JobEvent.objects.create(
+            job_id=row.job_id, kind=kind, step=row.kind, actor=self.name,
+            from_state=ctx.job.state, to_state=ctx.job.state, message=scrub(message),
+            data={"action": row.id, "key": row.idempotency_key, "attempt": row.attempts,
+                  **(data or {})},
+        )
+
+    # Sending -----------------------------------------------------------------------------
+
+    def _send(self, ctx, previous):
+        """Mark attempted (committed), send once, record the outcome."""
+        row = ctx.row
+        with transaction.atomic():
+            # Lock the job so an operator's cancel cannot interleave with the mark.
+            job = Job.objects.select_for_update().filter(pk=row.job_id).first()
+            if job is None:
+                return
+            ctx.job = job
+            if job.state not in (ctx.states.in_flight, ctx.states.unknown):
+                self._not_ours(ctx)
+                return
+            if ctx.step.approval:
+                outbox = Outbox.objects.select_for_update().get(pk=row.id)
+                if outbox.lease_token != row.lease_token:
+                    return
+                if not self._approved(ctx, outbox, job):
+                    return
+            fields = {"status": OutboxStatus.ATTEMPTED, "attempts": F("attempts") + 1,
+                      "sent_at": Now(), "version": F("version") + 1, "updated": Now()}
+            if not self._row(row).filter(status=previous).update(**fields):
+                return  # lease lost, or an operator settled it meanwhile
+            row.attempts += 1
+            row.version += 1
+            row.status = OutboxStatus.ATTEMPTED
+            self._event(ctx, f"attempt {row.attempts}: sending {row.operation} to"
+                             f" {row.destination}", data={"phase": "attempted"})
+        faults.point("after_mark_attempted")
+        try:
+            outcome = ctx.destination.dispatch(row.request())
+            if not isinstance(outcome, Outcome):
+                raise TypeError(f"{type(ctx.destination).__name__}.dispatch returned"
+                                f" {type(outcome).__name__}, not an Outcome")
+        except Exception as exc:  # noqa: BLE001 - after sending began, anything is possible
+            outcome = Outcome.unknown(ctx.destination.redact(
+                f"the destination raised {type(exc).__name__}: {exc}"))
+        faults.point("after_send_before_record")
+        self._record(ctx, outcome, previous)
+
+    def _approved(self, ctx, outbox, job):
+        try:
+            from .approvals import check_before_dispatch
+        except ImportError:
+            self._park(ctx, "this step needs approval, but durable.approvals is not available")
+            return False
+        return bool(check_before_dispatch(outbox, job))
+
+    def _not_ours(self, ctx):
+        """The job is not waiting for this action (cancelled, sent back): do not send."""
+        row, job = ctx.row, ctx.job
+        if job.state == CANCELLED or ctx.table.is_terminal(job.state):
+            self._row(row).filter(status=OutboxStatus.PENDING).update(
+                status=OutboxStatus.CANCELLED, next_attempt_at=None, lease_until=None,
+                lease_owner=None, last_error=f"not sent: the job is {job.state}",
+                version=F("version") + 1, updated=Now())
+        else:
+            self._row(row).update(next_attempt_at=None, lease_until=None, lease_owner=None)
+        logger.info("%s action=%s job=%s is %s: not sent", self.name, row.id, job.pk, job.state)
+
+    def _record(self, ctx, outcome, previous):
+        if outcome.status == destinations.SUCCEEDED:
+            self._succeeded(ctx, outcome.remote_id, outcome.summary, outcome.data, "dispatch")
+        elif outcome.status == destinations.FAILED:
+            self._failed(ctx, outcome.error or outcome.summary)
+        elif outcome.status == destinations.NOT_SENT:
+            self._not_sent(ctx, outcome.error, outcome.retry_after, previous)
+        else:
+            self._unknown(ctx, outcome.error or "no reliable reply", outcome.summary)
+
+    # Outcomes ----------------------------------------------------------------------------
+
+    def _lock_job(self, ctx):
+        ctx.job = Job.objects.select_for_update().get(pk=ctx.row.job_id)
+        return ctx.job
+
+    def _succeeded(self, ctx, remote_id, summary, data, how):
+        row = ctx.row
+        summary = ctx.destination.redact(summary)[:2000]
+        remote_id = str(remote_id or "")[:255]
+        finished = None
+        with transaction.atomic():
+            if not self._row(row).update(
+                status=OutboxStatus.SUCCEEDED, remote_id=remote_id, response_summary=summary,
+                last_error="", next_attempt_at=None, lease_until=None, lease_owner=None,
+                version=F("version") + 1, updated=Now(),
+            ):
+                self._lost(ctx)
+                return
+            row.remote_id, row.response_summary = remote_id, summary
+            job = self._lock_job(ctx)
+            memo = _memo(row, how=how, data=_small(data))
+            if job.state in (ctx.states.in_flight, ctx.states.unknown):
+                finished = complete(ctx, memo, actor=self.name,
+                                    message=f"{row.operation} on {row.destination} succeeded"
+                                            f" (remote id {remote_id or 'none'}, {how})")
+            else:
+                self._event(ctx, f"{row.operation} succeeded (remote id {remote_id}) but the job"
+                                 f" is {job.state}: recorded on the action only",
+                            data={"phase": "succeeded"})
+        logger.info("%s job=%s step=%s action succeeded remote_id=%s (%s)", self.name,
+                    row.job_id, row.kind, remote_id, how)
+        if finished and job_finished.has_listeners():
+            job_finished.send(ctx.workflow.name, job_id=row.job_id, state=finished)
+
+    def _failed(self, ctx, error):
+        row = ctx.row
+        error = ctx.destination.redact(error)
+        with transaction.atomic():
+            if not self._row(row).update(
+                status=OutboxStatus.FAILED, last_error=error, next_attempt_at=None,
+                lease_until=None, lease_owner=None, version=F("version") + 1, updated=Now(),
+            ):
+                self._lost(ctx)
+                return
+            job = self._lock_job(ctx)
+            if job.state in (ctx.states.in_flight, ctx.states.unknown):
+                fail(ctx, error, actor=self.name)
+            else:
+                self._event(ctx, f"failed: {error}", data={"phase": "failed"})
+        logger.error("%s job=%s step=%s action failed (not retried): %s", self.name, row.job_id,
+                     row.kind, error)
+
+    def _not_sent(self, ctx, error, retry_after, previous):
+        row = ctx.row
+        error = ctx.destination.redact(error)
+        max_attempts, base, cap = ctx.step.retry.resolved()
+        if row.attempts >= max_attempts:
+            if previous == OutboxStatus.PENDING:
+                return self._failed(ctx, f"not sent after {row.attempts} attempts: {error}")
+            # An earlier attempt may have happened: giving up resending is not a failure.
+            return self._unknown(ctx, f"resend not possible after {row.attempts} attempts:"
+                                      f" {error}", "", operator="waiting for an operator")
+        delay = retry_after if retry_after is not None else backoff(row.attempts - 1, base, cap)
+        with transaction.atomic():
+            # Back to what it was: pending (never sent), or unknown (an earlier attempt
+            # may have happened; this resend did not).
+            status = OutboxStatus.PENDING if previous == OutboxStatus.PENDING else OutboxStatus.UNKNOWN
+            if not self._row(row).update(
+                status=status, last_error=error, next_attempt_at=locking.now_plus(delay),
+                lease_until=None, lease_owner=None, version=F("version") + 1, updated=Now(),
+            ):
+                self._lost(ctx)
+                return
+            Job.objects.filter(pk=row.job_id, state__in=[ctx.states.in_flight,
+                                                         ctx.states.unknown]).update(
+                last_error=error, updated=Now())
+            self._event(ctx, f"not sent ({error}); next attempt in {delay:.2f}s",
+                        kind=EventKind.RETRY,
+                        data={"phase": "not_sent", "delay": round(delay, 3),
+                              "retry_after": retry_after})
+        logger.warning("%s job=%s step=%s action not sent, retry in %.2fs: %s", self.name,
+                       row.job_id, row.kind, delay, error)
+
+    def _plan(self, ctx):
+        """How an unknown action gets settled: (seconds until the next try or None, how)."""
+        row, dest = ctx.row, ctx.destination
+        max_attempts, base, cap = ctx.step.retry.resolved()
+        if dest.supports_lookup and row.lookups < durable_settings.LOOKUP_ATTEMPTS:
+            return backoff(row.lookups, base, cap), "look it up"
+        if dest.idempotent and row.attempts < max_attempts:
+            return backoff(row.attempts, base, cap), "resend it with the same key"
+        if dest.supports_lookup or dest.idempotent:
+            return None, (f"waiting for an operator: {row.lookups} lookups and {row.attempts}"
+                          " attempts did not settle it")
+        return None, (f"waiting for an operator: {row.destination} offers neither lookup nor"
+                      " idempotency keys, so resending could apply it twice")
+
+    def _unknown(self, ctx, error, summary, *, soon=False, operator=None):
+        """Record that the action may have happened, and plan its reconciliation."""
+        row = ctx.row
+        error = ctx.destination.redact(error)
+        delay, how = (None, operator) if operator else self._plan(ctx)
+        if soon and delay is not None:
+            delay = 0.0
+        with transaction.atomic():
+            if not self._row(row).update(
+                status=OutboxStatus.UNKNOWN, last_error=error,
+                response_summary=ctx.destination.redact(summary)[:2000],
+                next_attempt_at=None if delay is None else locking.now_plus(delay),
+                lease_until=None, lease_owner=None, version=F("version") + 1, updated=Now(),
+            ):
+                self._lost(ctx)
+                return
+            row.status = OutboxStatus.UNKNOWN
+            job = self._lock_job(ctx)
+            plan = how if delay is None else f"will {how} in {delay:.2f}s"
+            message = f"outcome unknown: {error}; {plan}"
+            if job.state == ctx.states.in_flight:
+                locking.transition(
+                    job, ctx.states.unknown, actor=self.name, step=row.kind, table=ctx.table,
+                    kind=EventKind.ACTION, message=scrub(message),
+                    data={"action": row.id, "key": row.idempotency_key, "phase": "unknown"},
+                    fields={"last_error": scrub(error)},
+                )
+            else:
+                Job.objects.filter(pk=job.pk, state=job.state).update(last_error=scrub(error))
+                self._event(ctx, message, data={"phase": "unknown"})
+        log = logger.warning if delay is not None else logger.error
+        log("%s job=%s step=%s action outcome unknown: %s; %s", self.name, row.job_id, row.kind,
+            error, plan)
+
+    def _park(self, ctx, why):
+        """Leave the row for an operator, with the reason."""
+        row = ctx.row
+        with transaction.atomic():
+            if self._row(row).update(next_attempt_at=None, lease_until=None, lease_owner=None,
+                                     last_error=scrub(why), version=F("version") + 1,
+                                     updated=Now()):
+                self._event(ctx, why, data={"phase": "parked"})
+        logger.error("%s action=%s parked: %s", self.name, row.id, why)
+
+    # Reconciling -------------------------------------------------------------------------
+
+    def _reconcile(self, ctx):
+        """Settle an unknown action: look it up, resend with the same key, or ask a person."""
+        row, dest = ctx.row, ctx.destination
+        delay, how = self._plan(ctx)
+        if delay is None:
+            return self._unknown(ctx, row.last_error or "outcome unknown", "", operator=how)
+        if how == "look it up":
+            row.lookups += 1
+            Outbox.objects.filter(pk=row.id, lease_token=row.lease_token).update(
+                lookups=F("lookups") + 1)
+            try:
+                found = dest.lookup(row.request())
+            except Exception as exc:  # noqa: BLE001 - a broken lookup cannot tell
+                found = destinations.LookupResult.cannot_tell(
+                    dest.redact(f"lookup raised {type(exc).__name__}: {exc}"))
+            if found.status == destinations.FOUND:
+                return self._succeeded(ctx, found.remote_id, found.summary, found.data, "lookup")
+            if found.status == destinations.NOT_FOUND:
+                # The destination never received it: sending now is the first write.
+                self._event(ctx, "lookup: not found at the destination; sending again with"
+                                 " the same key", data={"phase": "lookup", "found": False})
+                return self._send(ctx, OutboxStatus.UNKNOWN)
+            return self._unknown(ctx, f"lookup {row.lookups} could not tell: {found.error}", "")
+        # No lookup (or lookups exhausted) but the destination deduplicates: resending
+        # with the same key either applies it once or returns the original result.
+        return self._send(ctx, OutboxStatus.UNKNOWN)
+
+    def _lost(self, ctx):
+        logger.warning("%s action=%s lease lost or settled meanwhile; outcome not recorded here",
+                       self.name, ctx.row.id)
+
+
+def _small(data, limit=8192):
+    """The decoded reply if it is small enough to be a memo, else None."""
+    if data is None:
+        return None
+    try:
+        text = json.dumps(data, cls=DjangoJSONEncoder)
+    except (TypeError, ValueError):
+        return None
+    return data if len(text) <= limit else None
+
+
+# Settling the job (shared with durable.reconcile) --------------------------------------------
+
+
+def _enqueued(job_id, kind):
+    """Cost and duration the step recorded when it produced the action."""
+    data = (JobEvent.objects.filter(job_id=job_id, step=kind, kind=EventKind.ACTION,
+                                    data__phase="enqueued")
+            .order_by("-id").values_list("data", flat=True).first()) or {}
+    try:
+        cost = data.get("cost", "0")
+        ms = float(data.get("ms", 0))
+        attempt = int(data.get("attempt", 1))
+    except (TypeError, ValueError):
+        cost, ms, attempt = "0", 0.0, 1
+    return cost, datetime.timedelta(milliseconds=ms), attempt
+
+
+def complete(ctx, memo, *, actor, message, kind=EventKind.STEP_DONE, data=None):
+    """Write the action step's memo and move the job to the step's done state.
+
+    Inside the caller's transaction; the job row is locked and in flight or unknown.
+    Returns the terminal state when the job finished, else None.
+    """
+    job, row, states, table = ctx.job, ctx.row, ctx.states, ctx.table
+    terminal = table.is_terminal(states.done)
+    fields = {"attempts": 0, "lease_until": None, "lease_owner": None, "wake_at": None,
+              "next_run_at": None if terminal else Now(), "last_error": ""}
+    if terminal:
+        fields["result"] = memo
+    cost, duration, attempt = _enqueued(row.job_id, row.kind)
+    ok = locking.transition(
+        job, states.done, expect=job.state, actor=actor, step=row.kind, table=table, kind=kind,
+        message=scrub(message), fields=fields,
+        data={"action": row.id, "remote_id": memo["remote_id"], "cost": cost,
+              **(data or {})},
+    )
+    if not ok:
+        return None
+    if not StepResult.objects.filter(job_id=row.job_id, step=row.kind).exists():
+        StepResult.objects.create(job_id=row.job_id, step=row.kind, output=memo, cost=cost,
+                                  duration=duration, attempt=attempt, workflow=job.workflow)
+    if not terminal:
+        locking.notify("durable_jobs", job.workflow)
+    return states.done if terminal else None
+
+
+def fail(ctx, error, *, actor, kind=EventKind.FAILED, data=None):
+    """Move the job to the action step's failed state (inside the caller's transaction)."""
+    job, row = ctx.job, ctx.row
+    error = scrub(error)
+    return locking.transition(
+        job, ctx.states.failure, expect=job.state, actor=actor, step=row.kind, table=ctx.table,
+        kind=kind, message=error, data={"action": row.id, **(data or {})},
+        fields={"next_run_at": None, "lease_until": None, "lease_owner": None,
+                "last_error": error},
+    )
+
+
+# Waking the dispatcher --------------------------------------------------------------------
+
+
+class OutboxWaiter(Waiter):
+    """Sleeps an idle dispatcher until an action is queued or becomes due."""
+
+    def _listen_connection(self):
+        if self._listen is None:
+            conn = super()._listen_connection()
+            # The job workers' channel is of no interest here; the outbox's is.
+            conn.execute("UNLISTEN durable_jobs")
+            conn.execute(f"LISTEN {OUTBOX_CHANNEL}")
+        return self._listen
+
+    def wait(self, stopping):
+        timeout = self.poll_interval
+        due = next_due()
+        if due is not None:
+            timeout = max(0.0, min(timeout, (due - locking.db_now()).total_seconds()))
+        if timeout <= 0:
+            return
+        if connection.vendor == "postgresql" and durable_settings.LISTEN:
+            try:
+                conn = self._listen_connection()
+                for _ in conn.notifies(timeout=timeout, stop_after=1):
+                    pass
+                return
+            except Exception as exc:  # noqa: BLE001 - fall back to polling, never die here
+                logger.warning("LISTEN failed, polling instead: %s", exc)
+                self.close()
+        if connection.vendor == "sqlite":
+            self._wait_sqlite(timeout, stopping)
+        else:
+            self._sleep(timeout, stopping)
+
+
+__all__ = ["Dispatcher", "action_identity", "claim_actions", "enqueue_action",
+           "idempotency_key", "params_hash"]
+
+# Allow DURABLE["DESTINATIONS"] entries to name "durable.dispatch.HttpDestination".
+HttpDestination = destinations.HttpDestination
