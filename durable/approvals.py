@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import math
+from dataclasses import dataclass
 from decimal import Decimal
 
 from django.core.serializers.json import DjangoJSONEncoder
@@ -158,6 +159,41 @@ def context_for(job, st, db_now=None):
     )
 
 
+@dataclass
+class _Draft:
+    """A proposal prepared from a step's action, before anything is written."""
+
+    action: Action
+    values: dict
+    input_version: str
+    summary: str
+    proposal: dict
+    digest: str
+    params: str
+    key: str
+    expiry: float
+    timing: dict
+
+    @classmethod
+    def prepare(cls, started, action, ctx, cost, duration):
+        from .dispatch import action_identity
+
+        claimed, st, workflow = started.claimed, started.step, started.workflow
+        values = wire_values(action.values)
+        version = version_text(workflow.input_version(Job.objects.get(pk=claimed.id), ctx))
+        proposal = make_proposal(action.destination, action.operation, values, version)
+        params, key = action_identity(claimed.id, st.name, action.destination, action.operation,
+                                      values)
+        return cls(
+            action=action, values=values, input_version=version,
+            summary=action.summary or workflow.summarize(action, ctx),
+            proposal=proposal, digest=proposal_hash(proposal), params=params, key=key,
+            expiry=float(st.approval_expiry or durable_settings.APPROVAL_EXPIRY_SECONDS),
+            timing={"attempt": started.attempt, "cost": str(cost),
+                    "ms": round(duration.total_seconds() * 1000, 3)},
+        )
+
+
 def request_approval(runner, started, action, ctx, cost, duration):
     """Write the proposal, its parked outbox row and the request, and park the job.
 
@@ -168,80 +204,74 @@ def request_approval(runner, started, action, ctx, cost, duration):
     (a restart after the decision), it is reused and the job goes straight in flight.
     An action that may already have happened is never proposed again: a confirmed one
     completes the step with its recorded result, an unsettled one is reconciled first.
-    Returns None when the job has left this worker.
+    Returns what the runner continues with (None: the job has left this worker).
     """
-    from .dispatch import _memo, action_identity
+    from .dispatch import _memo
 
-    claimed, st, states, workflow = started.claimed, started.step, started.states, started.workflow
-    token = claimed.lease_token
+    claimed, st, states = started.claimed, started.step, started.states
     try:
-        values = wire_values(action.values)
-        job = Job.objects.get(pk=claimed.id)
-        version = version_text(workflow.input_version(job, ctx))
-        summary = action.summary or workflow.summarize(action, ctx)
-        proposal = make_proposal(action.destination, action.operation, values, version)
-        digest = proposal_hash(proposal)
+        draft = _Draft.prepare(started, action, ctx, cost, duration)
     except Exception as exc:  # noqa: BLE001 - the step's retry policy classifies it
         return runner._failed(started, exc, duration.total_seconds())
-    params, key = action_identity(claimed.id, st.name, action.destination, action.operation,
-                                  values)
-    expiry = st.approval_expiry or durable_settings.APPROVAL_EXPIRY_SECONDS
-    timing = {"attempt": started.attempt, "cost": str(cost),
-              "ms": round(duration.total_seconds() * 1000, 3)}
     with transaction.atomic():
-        now = locking.db_now()
         row = Outbox.objects.select_for_update().filter(job_id=claimed.id, kind=st.name).first()
         if row is not None and row.status == OutboxStatus.SUCCEEDED:
             # Result confirmed earlier: use it, never repeat the action or ask again.
-            memo = _memo(row, how="recorded earlier")
-            confirmed = True
+            outcome, detail = "confirmed", _memo(row, how="recorded earlier")
+        elif row is not None and row.status in (OutboxStatus.ATTEMPTED, OutboxStatus.UNKNOWN):
+            outcome, detail = _reconcile_first(runner, started, draft, row)
         else:
-            confirmed = False
-        if not confirmed and row is not None and row.status in (OutboxStatus.ATTEMPTED,
-                                                                OutboxStatus.UNKNOWN):
-            # It may have happened: reconcile it before any new proposal or write.
-            if row.params_hash != params:
-                transaction.set_rollback(True)
-                return runner._fail(
-                    claimed, started.table, states, started.attempt,
-                    f"an earlier {row.operation} on {row.destination} for this step is still"
-                    f" {row.status} (key {row.idempotency_key}); settle it before the step may"
-                    " propose a different action",
-                )
-            ok = locking.transition(
-                claimed, states.in_flight, token=token, actor=runner.owner, step=st.name,
-                table=started.table, kind=EventKind.ACTION,
-                message=f"{row.operation} on {row.destination} already {row.status};"
-                        " reconciling it, not proposing it again",
-                data={"phase": "enqueued", "key": row.idempotency_key, **timing},
-                fields={"lease_until": None, "lease_owner": None, "next_run_at": None},
-            )
-            if not ok:
-                transaction.set_rollback(True)
-                runner._lost(started)
-                return None
-            Outbox.objects.filter(pk=row.pk).update(next_attempt_at=Now(), updated=Now(),
-                                                    version=F("version") + 1)
-            locking.notify("durable_outbox", claimed.id)
-            runner._signal_finished(started, "action")
-            return None
-        if not confirmed:
-            message = _propose(claimed, st, states, started, runner, action, values, version,
-                               summary, proposal, digest, params, key, expiry, timing, row, now)
-            if message is None:
-                return None
-    if confirmed:
-        return runner._complete(started, memo, cost, duration)
-    faults.point("during_approval_wait")
+            outcome, detail = _propose(runner, started, draft, row)
+        if outcome == "lost":
+            # The lease was lost: another worker owns the job; nothing here may commit.
+            transaction.set_rollback(True)
+    if outcome == "confirmed":
+        return runner._complete(started, detail, cost, duration)
+    if outcome == "lost":
+        runner._lost(started)
+        return None
+    if outcome == "conflict":
+        runner._fail(claimed, started.table, states, started.attempt, detail)
+        runner._signal_finished(started, "failed")
+        return None
+    if outcome == "proposed":
+        faults.point("during_approval_wait")
     logger.info("%s job=%s step=%s -> %s: %s", runner.owner, claimed.id, st.name, claimed.state,
-                message)
+                detail)
     runner._signal_finished(started, "action")
     return None
 
 
-def _propose(claimed, st, states, started, runner, action, values, version, summary, proposal,
-             digest, params, key, expiry, timing, row, now):
+def _reconcile_first(runner, started, draft, row):
+    """An earlier send of this step's action may have happened: hand it to reconciliation."""
+    claimed, st, states = started.claimed, started.step, started.states
+    if row.params_hash != draft.params:
+        return "conflict", (
+            f"an earlier {row.operation} on {row.destination} for this step is still"
+            f" {row.status} (key {row.idempotency_key}); settle it before the step may propose"
+            " a different action"
+        )
+    message = (f"{row.operation} on {row.destination} already {row.status};"
+               " reconciling it, not proposing it again")
+    ok = locking.transition(
+        claimed, states.in_flight, token=claimed.lease_token, actor=runner.owner, step=st.name,
+        table=started.table, kind=EventKind.ACTION, message=message,
+        data={"phase": "enqueued", "key": row.idempotency_key, **draft.timing},
+        fields={"lease_until": None, "lease_owner": None, "next_run_at": None},
+    )
+    if not ok:
+        return "lost", None
+    Outbox.objects.filter(pk=row.pk).update(next_attempt_at=Now(), updated=Now(),
+                                            version=F("version") + 1)
+    locking.notify("durable_outbox", claimed.id)
+    return "reconcile", message
+
+
+def _propose(runner, started, draft, row):
     """Write the request (or reuse an identical approval) inside the caller's transaction."""
+    claimed, st, states = started.claimed, started.step, started.states
+    action = draft.action
+    now = locking.db_now()
     previous = list(
         Approval.objects.select_for_update()
         .filter(job_id=claimed.id, step=st.name,
@@ -249,16 +279,17 @@ def _propose(claimed, st, states, started, runner, action, values, version, summ
         .order_by("-id")
     )
     reuse = next(
-        (a for a in previous if a.proposal_hash == digest and a.status == ApprovalStatus.APPROVED
-         and a.expires_at > now),
+        (a for a in previous if a.proposal_hash == draft.digest
+         and a.status == ApprovalStatus.APPROVED and a.expires_at > now),
         None,
     )
     for old in previous:
         if old is not reuse:
             _close(old, ApprovalStatus.SUPERSEDED, "a new proposal was prepared from current inputs")
     fresh = {"destination": action.destination, "operation": action.operation,
-             "payload": values, "params_hash": params, "idempotency_key": key,
-             "status": OutboxStatus.PENDING, "attempts": 0, "lookups": 0,
+             "payload": draft.values, "params_hash": draft.params,
+             "idempotency_key": draft.key, "status": OutboxStatus.PENDING, "attempts": 0,
+             "lookups": 0,
              # NULL: the dispatcher does not see the row until someone approves it.
              "next_attempt_at": Now() if reuse is not None else None,
              "lease_until": None, "lease_owner": None, "sent_at": None, "remote_id": "",
@@ -271,29 +302,26 @@ def _propose(claimed, st, states, started, runner, action, values, version, summ
         Outbox.objects.filter(pk=row.pk).update(**fresh, version=F("version") + 1, updated=Now())
     if reuse is None:
         approval = Approval.objects.create(
-            job_id=claimed.id, step=st.name, proposal=proposal, proposal_hash=digest,
-            input_version=version, summary=summary,
-            expires_at=now + datetime.timedelta(seconds=float(expiry)),
+            job_id=claimed.id, step=st.name, proposal=draft.proposal,
+            proposal_hash=draft.digest, input_version=draft.input_version,
+            summary=draft.summary, expires_at=now + datetime.timedelta(seconds=draft.expiry),
         )
-        path = [states.approval]
-        message = f"approval requested: {summary}"
-        data = {"approval": approval.pk, "hash": digest,
+        path, outcome = [states.approval], "proposed"
+        message = f"approval requested: {draft.summary}"
+        data = {"approval": approval.pk, "hash": draft.digest,
                 "expires_at": approval.expires_at.isoformat()}
     else:
         approval = reuse
-        path = [states.approval, states.in_flight]
+        path, outcome = [states.approval, states.in_flight], "reused"
         message = f"the same proposal was approved already (approval {reuse.pk}); dispatching"
-        data = {"approval": reuse.pk, "hash": digest}
+        data = {"approval": reuse.pk, "hash": draft.digest}
     ok = locking.transition(
         claimed, path, token=claimed.lease_token, actor=runner.owner, step=st.name,
         table=started.table, kind=EventKind.APPROVAL, message=message, data=data,
         fields={"lease_until": None, "lease_owner": None, "next_run_at": None, "last_error": ""},
     )
     if not ok:
-        # The lease was lost: another worker owns the job, and nothing here may commit.
-        transaction.set_rollback(True)
-        runner._lost(started)
-        return None
+        return "lost", None
     # The dispatcher reads the step's cost and duration from this event when the action
     # is confirmed and becomes the step's memo.
     JobEvent.objects.create(
@@ -302,12 +330,12 @@ def _propose(claimed, st, states, started, runner, action, values, version, summ
         message=(f"{action.operation} on {action.destination} proposed; held until approved"
                  if reuse is None else
                  f"{action.operation} on {action.destination} queued under approval {reuse.pk}"),
-        data={"phase": "enqueued", "key": key, "destination": action.destination,
-              "operation": action.operation, "approval": approval.pk, **timing},
+        data={"phase": "enqueued", "key": draft.key, "destination": action.destination,
+              "operation": action.operation, "approval": approval.pk, **draft.timing},
     )
     if reuse is not None:
         locking.notify("durable_outbox", claimed.id)
-    return message
+    return outcome, message
 
 
 def _close(approval, status, note):
@@ -635,19 +663,6 @@ def prepare_again(approval_id, user, reason=""):
         _admin_log(user, approval, f"Prepare again. {reason}".strip())
         locking.notify("durable_jobs", job.workflow)
     return job
-
-
-def expire_due():
-    """Mark open requests past their expiry as expired (database clock); return how many."""
-    with transaction.atomic():
-        due = list(
-            Approval.objects.select_for_update().filter(
-                status=ApprovalStatus.REQUESTED, expires_at__lte=Now()
-            )
-        )
-        for approval in due:
-            _close(approval, ApprovalStatus.EXPIRED, "nobody decided before it expired")
-    return len(due)
 
 
 # What the approval pages show --------------------------------------------------------------

@@ -577,3 +577,42 @@ def test_cancelling_a_job_withdraws_its_open_proposal(propose, approver):
     with pytest.raises(DecisionRefused, match="changed since you opened it"):
         approvals.approve(approval.pk, approval.proposal_hash, approver)
     assert outbox().status == OutboxStatus.CANCELLED
+
+
+def test_a_step_run_again_while_its_action_is_unknown_reconciles_instead_of_proposing(
+    propose, approver, receiver, run
+):
+    approval = propose()
+    approvals.approve(approval.pk, approval.proposal_hash, approver)
+    receiver.behave("drop_after_acting", times=1)
+    dispatch_all()
+    assert outbox().status == OutboxStatus.UNKNOWN
+    Job.objects.filter(pk="job-1").update(state="assessed", next_run_at=Now())
+
+    run()
+    assert state() == "in_flight_refund"
+    assert Approval.objects.filter(job_id="job-1").count() == 1
+    dispatch_all()
+
+    assert state() == "refunded"
+    assert len(receiver.actions) == 1
+
+
+def test_a_different_proposal_while_the_earlier_send_is_unknown_fails_the_step(
+    propose, approver, receiver, order, run
+):
+    approval = propose()
+    approvals.approve(approval.pk, approval.proposal_hash, approver)
+    receiver.behave("drop_after_acting", times=1)
+    dispatch_all()
+    Job.objects.filter(pk="job-1").update(state="assessed", next_run_at=Now())
+    write_order(order, amount="43.00")
+
+    run()
+
+    job = Job.objects.get(pk="job-1")
+    assert job.state == "failed_refund"
+    assert "settle it before the step may propose a different action" in job.last_error
+    assert outbox().status == OutboxStatus.UNKNOWN
+    assert Approval.objects.filter(job_id="job-1").count() == 1
+    assert len(receiver.actions) == 1
