@@ -104,7 +104,7 @@ def use_refunds_receiver(url):
 
     return register(HttpDestination(
         "refunds", url=f"{url}/actions", idempotent=True,
-        lookup_url=f"{url}/actions/lookup?key={{key}}", timeout=(1.0, 3.0),
+        lookup_url=f"{url}/actions/lookup?key={{key}}", timeout=(1.0, 2.0),
     ))
 
 
