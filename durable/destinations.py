@@ -182,6 +182,8 @@ def session():
 
 
 _SENSITIVE_HEADERS = ("authorization", "proxy-authorization", "cookie", "x-api-key", "api-key")
+_SENSITIVE_PARAMS = ("access_token", "token", "api_key", "apikey", "key", "secret", "password",
+                     "passwd", "sig", "signature", "auth", "code")
 
 
 def _timeout(value):
@@ -269,7 +271,9 @@ class HttpDestination(Destination):
                 found.append(str(value).split()[-1])
         for template in filter(None, (self.url, self.lookup_url)):
             parts = urlsplit(template)
-            found.extend(v for _, v in parse_qsl(parts.query) if v and "{" not in v)
+            found.extend(value for name, value in parse_qsl(parts.query)
+                         if "{" not in value and (name.lower() in _SENSITIVE_PARAMS
+                                                  or len(value) >= 16))
             if parts.password:
                 found.append(parts.password)
         # Longest first, so a secret containing another is removed whole.
