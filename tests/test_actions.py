@@ -18,23 +18,14 @@ from django.test import override_settings
 
 import durable
 from durable import destinations, services
-from durable.conf import durable_settings
 from durable.dispatch import Dispatcher, action_identity, claim_actions
 from durable.locking import db_now
 from durable.models import JobEvent, Outbox, OutboxStatus, Pause, StepResult
 
 from .conftest import ROOT, wait_for
-from .test_actions_support import (  # noqa: F401 - fixtures
-    action,
-    drive,
-    in_state,
-    job,
-    messages,
-    posts,
-    receiver,
-    receivers,
-)
+from .test_actions_support import action, in_state, job, messages, posts
 
+pytest_plugins = ["tests.test_actions_support"]  # the receivers and drive fixtures
 pytestmark = pytest.mark.django_db
 
 
