@@ -179,6 +179,9 @@ class _Handler(BaseHTTPRequestHandler):
     # HTTP/1.1 keeps connections alive, as a real API does, so clients that reuse
     # a pooled connection meet the same failures they would in production.
     protocol_version = "HTTP/1.1"
+    # Headers and body go out in separate writes; with Nagle's algorithm on, the body
+    # waits for the client's delayed ACK (~40 ms) on a kept-alive connection.
+    disable_nagle_algorithm = True
     server_version = "durable-receiver"
     # An idle keep-alive connection releases its thread after this long.
     timeout = 30
