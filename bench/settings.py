@@ -44,13 +44,25 @@ elif which == "sqlite":
 else:
     raise RuntimeError(f"BENCH_DATABASE must be sqlite or postgres, not {which!r}")
 
+# BENCH_CONN_MAX_AGE measures what persistent connections change (Django's default
+# is 0: a connection is closed by close_old_connections() after every use).
+if os.environ.get("BENCH_CONN_MAX_AGE"):
+    age = os.environ["BENCH_CONN_MAX_AGE"]
+    DATABASES["default"]["CONN_MAX_AGE"] = None if age == "none" else int(age)
+
 # Engine settings as shipped (lease 60 s, poll 1 s, LISTEN on); only what the
 # benchmark must control is set here.
 DURABLE = {**DURABLE, "LEASE_SECONDS": 60.0, "STEP_TIMEOUT": 30.0}
 # Benchmark destination for the actions figure (a local durable.testing.Receiver).
 if os.environ.get("BENCH_RECEIVER_URL"):
+    _receiver = os.environ["BENCH_RECEIVER_URL"]
     DURABLE["DESTINATIONS"] = {
-        "bench": {"URL": os.environ["BENCH_RECEIVER_URL"]},
+        "bench": {
+            "CLASS": "durable.destinations.HttpDestination",
+            "URL": f"{_receiver}/actions",
+            "IDEMPOTENT": True,
+            "LOOKUP_URL": f"{_receiver}/actions/lookup?key={{key}}",
+        },
     }
 
 # The worker logs one INFO line per step by default; BENCH_LOG_LEVEL lets a run show
