@@ -149,7 +149,7 @@ class ApprovalViews:
             .select_related("decided_by").order_by("-id")
         )
         context = self._context(
-            request, f"Proposal {approval.pk}: {approval.summary or approval.step}",
+            request, f"Proposal {approval.pk} for {job.workflow}.{approval.step}",
             approval=approval,
             job=job,
             proposal=proposal,

@@ -166,7 +166,7 @@ def test_an_action_that_needs_approval_waits_for_a_person_and_sends_nothing(prop
         "destination": "refunds",
         "operation": "refund",
         "values": {"order": "123", "amount": "42.00", "currency": "EUR",
-                   "reason": "damaged in transit"},
+                   "reason": "damaged in transit", "status": "refunded"},
         "input_version": "order 1",
     }
     row = outbox()

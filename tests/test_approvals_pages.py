@@ -30,7 +30,7 @@ def receiver():
 @pytest.fixture
 def order(tmp_path):
     path = str(tmp_path / "order.json")
-    write_order(path, id="123", amount="42.00", currency="EUR", refunded="0.00")
+    write_order(path, id="123", amount="42.00", currency="EUR", status="paid")
     return path
 
 
@@ -90,7 +90,7 @@ def test_the_queue_lists_open_proposals_oldest_first_with_age_and_expiry(
 
 def test_the_proposal_page_says_what_approving_will_do(propose, approver_client, order):
     approval = propose()
-    write_order(order, refunded="10.00")  # the record as it is now, for the diff
+    write_order(order, status="disputed")  # the record as it is now, for the diff
 
     response = approver_client.get(page_url(approval))
 
@@ -101,9 +101,10 @@ def test_the_proposal_page_says_what_approving_will_do(propose, approver_client,
         assert text in html
     values = {row["key"]: row["text"] for row in response.context["values"]}
     assert values == {"amount": "42.00", "currency": "EUR", "order": "123",
-                      "reason": "damaged in transit"}
+                      "reason": "damaged in transit", "status": "refunded"}
     diff = {row["field"]: row for row in response.context["diff"]}
-    assert diff["refunded"]["before"] == "10.00" and not diff["refunded"]["changed"]
+    assert (diff["status"]["before"], diff["status"]["after"]) == ("disputed", "refunded")
+    assert diff["status"]["changed"] and not diff["amount"]["changed"]
     assert diff["reason"]["new"] and diff["reason"]["changed"]
     # The assessment's memo, and the model call that prepared this proposal.
     assert str(response.context["cost"]) == "0.030000"

@@ -60,6 +60,7 @@ class Refund(Workflow):
                 "amount": Decimal(order["amount"]),
                 "currency": order.get("currency", "EUR"),
                 "reason": data["reason"],
+                "status": "refunded",
             },
         )
 
@@ -73,7 +74,7 @@ class Refund(Workflow):
     def current_record(self, action, ctx):
         order = read_order(ctx.payload["order_file"])
         return {"order": order["id"], "amount": order["amount"],
-                "currency": order.get("currency", "EUR"), "refunded": order.get("refunded", "0.00")}
+                "currency": order.get("currency", "EUR"), "status": order.get("status", "paid")}
 
 
 class RefundAbove(Refund):
