@@ -1,15 +1,76 @@
+"""The admin: jobs and their records, read-only, plus the operator console's pages.
+
+Nothing here edits a row. Changes go through services (``durable.services``,
+``durable.reconcile``), each with its own permission; admin actions only lead to a
+confirmation page that restates what will change and asks for a reason.
+"""
+
+from contextvars import ContextVar
+
 from django.contrib import admin
+from django.db.models import DecimalField, OuterRef, Subquery, Sum
+from django.db.models.functions import Coalesce
+from django.template.defaultfilters import truncatechars
+from django.utils import timezone
+from django.utils.html import format_html
 
+from . import reports, views
 from .models import Approval, Job, JobEvent, Outbox, Pause, StepResult
+from .templatetags.durable_console import age, money
 
 
-@admin.register(Job)
-class JobAdmin(admin.ModelAdmin):
-    list_display = ["id", "workflow", "state", "attempts", "next_run_at", "lease_owner",
-                    "lease_until", "updated"]
-    list_filter = ["workflow", "state"]
-    search_fields = ["id"]
-    readonly_fields = [f.name for f in Job._meta.fields]
+class _YesFilter(admin.SimpleListFilter):
+    """A filter with one choice, "yes", counted when the admin shows facets."""
+
+    label = "yes"
+
+    def lookups(self, request, model_admin):
+        return [("yes", self.label)]
+
+    def queryset(self, request, queryset):
+        if self.value() == "yes":
+            return self.matching(queryset)
+        return queryset
+
+
+class StuckFilter(_YesFilter):
+    title = "stuck (lease expired)"
+    parameter_name = "stuck"
+    label = "lease expired"
+
+    def matching(self, queryset):
+        return queryset.stuck()
+
+
+class FailedFilter(_YesFilter):
+    title = "failed"
+    parameter_name = "failed"
+    label = "in a failed state"
+
+    def matching(self, queryset):
+        return queryset.filter(reports.failed_q())
+
+
+class HumanFilter(_YesFilter):
+    title = "waiting for a human"
+    parameter_name = "human"
+    label = "needs a human or an approval"
+
+    def matching(self, queryset):
+        return queryset.filter(reports.waiting_for_human_q())
+
+
+def _cost_so_far():
+    memos = (
+        StepResult.objects.filter(job=OuterRef("pk")).order_by().values("job")
+        .annotate(total=Sum("cost")).values("total")
+    )
+    output = DecimalField(max_digits=18, decimal_places=6)
+    return Coalesce(Subquery(memos, output_field=output), 0, output_field=output)
+
+
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """Rows written by the engine are read here, never edited or deleted."""
 
     def has_add_permission(self, request):
         return False
@@ -17,6 +78,221 @@ class JobAdmin(admin.ModelAdmin):
     def has_change_permission(self, request, obj=None):
         return False
 
+    def has_delete_permission(self, request, obj=None):
+        return False
 
-for model in (StepResult, Outbox, Approval, JobEvent, Pause):
-    admin.site.register(model)
+
+@admin.register(Job)
+class JobAdmin(ReadOnlyAdmin):
+    list_display = ["id", "workflow", "state_display", "in_state_for", "attempts_col", "lease",
+                    "last_error_short", "cost_so_far"]
+    list_display_links = ["id"]
+    list_filter = ["workflow", "state", StuckFilter, FailedFilter, HumanFilter]
+    search_fields = ["id"]
+    search_help_text = "Search by key (the caller's idempotency key)."
+    ordering = ["-updated"]
+    list_per_page = 50
+    show_facets = admin.ShowFacets.ALWAYS
+    actions = ["requeue_selected", "retry_selected", "cancel_selected"]
+    change_list_template = "admin/durable/job/change_list.html"
+
+    def get_queryset(self, request):
+        return super().get_queryset(request).annotate(cost_total=_cost_so_far())
+
+    def get_urls(self):
+        return views.job_urls(self) + super().get_urls()
+
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        return views.job_detail(request, self, object_id)
+
+    def changelist_view(self, request, extra_context=None):
+        extra = {
+            "title": "Jobs",
+            "dashboard_url": views._try_url(self.admin_site, "durable_dashboard"),
+            "console_nav": views._nav(self.admin_site),
+            "console_section": "jobs",
+            "paused": list(Pause.objects.order_by("workflow")),
+            "bulk_verbs": [
+                {"verb": v, "url": views._url(self.admin_site, "durable_job_bulk", v.name,
+                                              query=request.GET.urlencode())}
+                for v in views.VERBS.values()
+                if v.bulk is not None and request.user.has_perm(v.permission)
+            ],
+        }
+        return super().changelist_view(request, {**extra, **(extra_context or {})})
+
+    # Columns ---------------------------------------------------------------------------
+
+    @admin.display(description="state", ordering="state")
+    def state_display(self, job):
+        kind = reports.kind_of(job.workflow, job.state)
+        css = kind.value if kind else "unknown"
+        return format_html('<span class="durable-state durable-kind-{}" title="{}">{}</span>',
+                           css, kind.label if kind else "not in the table", job.state)
+
+    @admin.display(description="in state for", ordering="updated")
+    def in_state_for(self, job):
+        return age((timezone.now() - job.updated).total_seconds())
+
+    @admin.display(description="attempts", ordering="attempts")
+    def attempts_col(self, job):
+        return job.attempts
+
+    @admin.display(description="lease", ordering="lease_until")
+    def lease(self, job):
+        if not job.lease_owner or not job.lease_until:
+            return "—"
+        seconds = (job.lease_until - timezone.now()).total_seconds()
+        if seconds >= 0:
+            return format_html('{}<br><span class="quiet">until {} ({} left)</span>',
+                               job.lease_owner, job.lease_until.strftime("%H:%M:%S"),
+                               age(seconds))
+        return format_html('{}<br><span class="durable-bad">expired {} ago</span>',
+                           job.lease_owner, age(-seconds))
+
+    @admin.display(description="last error")
+    def last_error_short(self, job):
+        if not job.last_error:
+            return ""
+        return format_html('<span title="{}">{}</span>', job.last_error,
+                           truncatechars(job.last_error, 70))
+
+    @admin.display(description="cost so far", ordering="cost_total")
+    def cost_so_far(self, job):
+        return money(job.cost_total)
+
+    # Actions on the selected rows: each leads to a confirmation page -------------------
+
+    def has_requeue_permission(self, request):
+        return request.user.has_perm("durable.requeue_job")
+
+    def has_retry_permission(self, request):
+        return request.user.has_perm("durable.retry_job")
+
+    def has_cancel_permission(self, request):
+        return request.user.has_perm("durable.cancel_job")
+
+    def _confirm_selected(self, request, queryset, verb):
+        ids = list(queryset.values_list("pk", flat=True))
+        return views.bulk_confirm_selected(request, self, verb, ids)
+
+    @admin.action(permissions=["requeue"], description="Requeue the selected failed jobs…")
+    def requeue_selected(self, request, queryset):
+        return self._confirm_selected(request, queryset, "requeue")
+
+    @admin.action(permissions=["retry"], description="Retry the selected jobs now…")
+    def retry_selected(self, request, queryset):
+        return self._confirm_selected(request, queryset, "retry")
+
+    @admin.action(permissions=["cancel"], description="Cancel the selected jobs…")
+    def cancel_selected(self, request, queryset):
+        return self._confirm_selected(request, queryset, "cancel")
+
+
+# The request whose page is being rendered: read-only field methods receive only the
+# object, and ModelAdmin instances are shared between threads, so it cannot live on self.
+_rendering = ContextVar("durable_admin_request", default=None)
+
+
+class _PrettyJson:
+    """Read-only admin pages show JSON pretty-printed, and redacted like the console."""
+
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        token = _rendering.set(request)
+        try:
+            response = super().change_view(request, object_id, form_url, extra_context)
+            if hasattr(response, "render"):
+                response.render()  # while the request is known: fields render lazily
+            return response
+        finally:
+            _rendering.reset(token)
+
+    def _json(self, value):
+        request = _rendering.get()
+        if request is None:
+            shown = views.show_json(value, None)
+        else:
+            shown = views.show_json(value, request.user)
+        note = " (cut)" if shown["cut"] else ""
+        return format_html('<pre class="durable-json">{}</pre>{}', shown["text"], note)
+
+
+@admin.register(StepResult)
+class StepResultAdmin(_PrettyJson, ReadOnlyAdmin):
+    list_display = ["job", "workflow", "step", "cost", "duration", "attempt", "at"]
+    list_filter = ["workflow", "step"]
+    search_fields = ["job__id"]
+    exclude = ["output"]
+    readonly_fields = ["output_shown"]
+    date_hierarchy = "at"
+
+    @admin.display(description="output")
+    def output_shown(self, memo):
+        return self._json(memo.output)
+
+
+@admin.register(Outbox)
+class OutboxAdmin(_PrettyJson, ReadOnlyAdmin):
+    list_display = ["job", "kind", "destination", "operation", "status", "attempts", "sent_at",
+                    "remote_id", "version"]
+    list_filter = ["status", "destination", "kind"]
+    search_fields = ["job__id", "idempotency_key", "remote_id"]
+    exclude = ["payload"]
+    readonly_fields = ["values_shown"]
+
+    @admin.display(description="values")
+    def values_shown(self, row):
+        return self._json(row.payload)
+
+
+@admin.register(Approval)
+class ApprovalAdmin(_PrettyJson, ReadOnlyAdmin):
+    list_display = ["job", "step", "status", "requested_at", "expires_at", "decided_by"]
+    list_filter = ["status", "step"]
+    search_fields = ["job__id", "summary"]
+    exclude = ["proposal"]
+    readonly_fields = ["proposal_shown"]
+
+    @admin.display(description="proposal")
+    def proposal_shown(self, approval):
+        return self._json(approval.proposal)
+
+
+@admin.register(JobEvent)
+class JobEventAdmin(_PrettyJson, ReadOnlyAdmin):
+    list_display = ["at", "job", "kind", "from_state", "to_state", "step", "actor", "message"]
+    list_filter = ["kind", "actor"]
+    search_fields = ["job__id", "actor", "message"]
+    exclude = ["data"]
+    readonly_fields = ["data_shown"]
+    date_hierarchy = "at"
+
+    @admin.display(description="data")
+    def data_shown(self, event):
+        return self._json(event.data)
+
+
+@admin.register(Pause)
+class PauseAdmin(ReadOnlyAdmin):
+    list_display = ["workflow", "paused_by", "paused_at", "reason"]
+
+
+def install_console(site):
+    """Add the console's site-level pages to ``site`` (the default admin site is done here).
+
+    They live at the site level (``durable/dashboard/`` beside the app index) because no
+    single model owns them; a custom AdminSite can call this on itself instead.
+    """
+    if getattr(site, "_durable_console", False):
+        return site
+    original = site.get_urls
+
+    def get_urls():
+        return views.console_urls(site) + original()
+
+    site.get_urls = get_urls
+    site._durable_console = True
+    return site
+
+
+install_console(admin.site)

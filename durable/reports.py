@@ -32,7 +32,7 @@ from django.db.models.functions import TruncDate
 
 from . import locking
 from .conf import durable_settings
-from .models import Approval, Job, JobEvent, Outbox, Pause, StepResult
+from .models import Approval, CostRollup, Job, JobEvent, Outbox, Pause, StepResult
 from .states import StateKind
 from .workflows import registry
 
@@ -85,7 +85,8 @@ def kind_of(workflow, state):
     return registry.get(workflow).table.kinds.get(state)
 
 
-def _scoped(qs, workflow, field_name="workflow"):
+def scoped(qs, workflow, field_name="workflow"):
+    """``qs`` restricted to one workflow, or unchanged when ``workflow`` is empty."""
     return qs.filter(**{field_name: workflow}) if workflow else qs
 
 
@@ -151,10 +152,10 @@ def where_is_everything(*, now=None, window=DEFAULT_WINDOW, workflow=None):
     The first article's query 1, grouped by workflow as well as state. A state is
     *stalled* when its count and its average age both rose over the window and its
     oldest job has sat there longer than the window: jobs arrive and nothing moves.
-    Terminal states and durable timers are never stalled (jobs wait there by design).
+    Only stages that drain by themselves can stall (see FLOWING_KINDS).
     """
     now = now or locking.db_now()
-    qs = _scoped(Job.objects.all(), workflow)
+    qs = scoped(Job.objects.all(), workflow)
     groups = (
         qs.values("workflow", "state")
         .annotate(count=Count("pk"), avg_age=Avg(_age(now)), oldest=Min("updated"))
@@ -184,8 +185,13 @@ def where_is_everything(*, now=None, window=DEFAULT_WINDOW, workflow=None):
     return Overview(now=now, window=window, workflow=workflow, rows=ordered)
 
 
+# Stages that should drain by themselves. Terminal states and timers hold jobs by design;
+# failed, human, approval and unknown states wait for a person, which the alerts cover.
+FLOWING_KINDS = (StateKind.INITIAL, StateKind.READY, StateKind.WORKING, StateKind.IN_FLIGHT)
+
+
 def _is_stalled(row, window):
-    if row.kind in (StateKind.TERMINAL, StateKind.TIMER) or not row.count:
+    if row.kind not in FLOWING_KINDS or not row.count:
         return False
     if not row.count_before or row.avg_age_before is None:
         return False
@@ -216,7 +222,7 @@ def _states_at(moment, workflow=None):
     finished before ``moment`` was in a terminal state then, which is never stalled.
     """
     movers = JobEvent.objects.filter(at__gt=moment).values("job_id")
-    jobs = _scoped(Job.objects.filter(created__lte=moment), workflow).filter(
+    jobs = scoped(Job.objects.filter(created__lte=moment), workflow).filter(
         unfinished_q() | Q(pk__in=movers)
     )
     events = JobEvent.objects.filter(job=OuterRef("pk"), at__lte=moment).order_by("-id")
@@ -243,7 +249,7 @@ def stuck_jobs(*, now=None, workflow=None, limit=STUCK_LIMIT):
     here means no worker is running for its workflow (or it is paused).
     """
     now = now or locking.db_now()
-    qs = _scoped(Job.objects.filter(lease_owner__isnull=False, lease_until__lt=now), workflow)
+    qs = scoped(Job.objects.filter(lease_owner__isnull=False, lease_until__lt=now), workflow)
     rows = list(
         qs.order_by("updated", "pk").values(
             "id", "workflow", "state", "attempts", "lease_owner", "lease_until", "last_error",
@@ -257,7 +263,7 @@ def stuck_jobs(*, now=None, workflow=None, limit=STUCK_LIMIT):
 
 def stuck_count(*, now=None, workflow=None):
     now = now or locking.db_now()
-    return _scoped(
+    return scoped(
         Job.objects.filter(lease_owner__isnull=False, lease_until__lt=now), workflow
     ).count()
 
@@ -318,7 +324,7 @@ class FailureGroup:
 
 
 def _failed_jobs(workflow=None):
-    return _scoped(Job.objects.filter(failed_q()), workflow)
+    return scoped(Job.objects.filter(failed_q()), workflow)
 
 
 def failure_groups(*, workflow=None):
@@ -376,7 +382,7 @@ def cost_per_step(*, now=None, window=COST_WINDOW, workflow=None):
     The article's query 4. Money is Decimal throughout.
     """
     now = now or locking.db_now()
-    qs = _scoped(StepResult.objects.filter(at__gt=now - window, at__lte=now), workflow)
+    qs = scoped(StepResult.objects.filter(at__gt=now - window, at__lte=now), workflow)
     rows = list(
         qs.values("workflow", "step")
         .annotate(count=Count("pk"), total=Sum("cost"), mean=Avg("cost"))
@@ -391,12 +397,14 @@ def cost_per_step(*, now=None, window=COST_WINDOW, workflow=None):
 def cost_by_day(start, end, *, by="step", workflow=None):
     """Cost per day for each step (or workflow) with memos written in ``[start, end)``.
 
+    Includes the daily rollups that purge keeps of deleted memos (whole days only).
+
     Returns ``{"days": [date, ...], "series": [{"name", "workflow", "per_day", "total",
     "count"}], "totals": [Decimal per day], "total": Decimal}``. Days are UTC dates.
     """
     if by not in ("step", "workflow"):
         raise ValueError(f"cost_by_day groups by 'step' or 'workflow', not {by!r}")
-    qs = _scoped(StepResult.objects.filter(at__gte=start, at__lt=end), workflow)
+    qs = scoped(StepResult.objects.filter(at__gte=start, at__lt=end), workflow)
     keys = ["workflow", "step"] if by == "step" else ["workflow"]
     rows = (
         qs.annotate(day=TruncDate("at", tzinfo=datetime.UTC))
@@ -411,8 +419,15 @@ def cost_by_day(start, end, *, by="step", workflow=None):
         days.append(day)
         day += datetime.timedelta(days=1)
     index = {d: i for i, d in enumerate(days)}
+    # Purged jobs leave their memo costs behind as daily rollups: the report outlives purge.
+    rolled = (
+        scoped(CostRollup.objects.filter(day__gte=days[0], day__lte=days[-1]), workflow)
+        .values("day", *keys)
+        .annotate(count=Sum("steps"), total=Sum("cost"))
+        .order_by()
+    )
     series = {}
-    for row in rows:
+    for row in [*rows, *(rolled if days else [])]:
         name = f"{row['workflow']}.{row['step']}" if by == "step" else row["workflow"]
         s = series.setdefault(name, {
             "name": name, "workflow": row["workflow"], "step": row.get("step", ""),
@@ -481,7 +496,7 @@ def oldest_unfinished(*, now=None, workflow=None):
     now = now or locking.db_now()
     timers = kind_q(StateKind.TIMER, workflow=workflow)
     return (
-        _scoped(Job.objects.filter(unfinished_q(workflow)), workflow)
+        scoped(Job.objects.filter(unfinished_q(workflow)), workflow)
         .exclude(timers & Q(next_run_at__gt=now))
         .order_by("updated", "pk")
         .first()
@@ -526,7 +541,7 @@ def alerts(*, now=None, workflow=None):
             "failures", {}, failed,
         ))
     horizon = now + datetime.timedelta(seconds=float(durable_settings.ALERT_APPROVAL_EXPIRY_SECONDS))
-    expiring = _scoped(
+    expiring = scoped(
         Approval.objects.pending().filter(expires_at__lte=horizon), workflow, "job__workflow"
     )
     count = expiring.count()
@@ -541,7 +556,7 @@ def alerts(*, now=None, workflow=None):
             "Decide them in the approval queue.",
             "approvals", {}, count,
         ))
-    unknown = _scoped(Outbox.objects.unknown(), workflow, "job__workflow").count()
+    unknown = scoped(Outbox.objects.unknown(), workflow, "job__workflow").count()
     if unknown:
         found.append(Alert(
             "unknown", "error",
