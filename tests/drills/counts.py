@@ -29,6 +29,7 @@ from . import lab as lab_module
 WORKER_ACTOR = re.compile(r":(\d+):worker\d+$")
 PID_IN_TEXT = re.compile(r":(\d+):worker\d+")
 CLAIM_KINDS = frozenset({EventKind.CLAIMED, EventKind.RECLAIMED})
+LOGGING_WORKFLOWS = frozenset({"drill", "drill_hold"})
 
 
 @dataclass
@@ -207,17 +208,22 @@ def duplicate_executions(started, memos, events, hit_pids):
     for key in committed:
         if key not in seen:
             phantom.append(key)
+    groups = defaultdict(list)
+    for record in started:
+        groups[record[:2]].append(record)
     duplicates = allowed = 0
     details = []
-    for record in started:
-        job, step, attempt, pid = record
-        if record in committed or record in retried:
+    for (job, _step), records in groups.items():
+        unfinished = [r for r in records if r not in committed and r not in retried]
+        # A run that did not commit is duplicated only by a later run of the same step.
+        dup = len(unfinished) if len(unfinished) < len(records) else len(unfinished) - 1
+        if dup <= 0:
             continue
-        duplicates += 1
-        if pid in hit_pids or pid in reclaimed[job]:
-            allowed += 1
-        else:
-            details.append(record)
+        hit = [r for r in unfinished if r[3] in hit_pids or r[3] in reclaimed[job]]
+        duplicates += dup
+        allowed += min(dup, len(hit))
+        if len(hit) < dup:
+            details.extend(r for r in unfinished if r not in hit)
     return duplicates, allowed, phantom, details
 
 
@@ -274,8 +280,10 @@ def count(lab, drill, *, began, effects=None, extra=None):
     ]
     stale = stale_writes(events, workflows)
     started, _ = read_executions(lab.exec_log)
+    # Only the drill workflows write the executions log.
+    logged = {key for key in mine if jobs.get(key, {}).get("workflow") in LOGGING_WORKFLOWS}
     memos = [m for m in StepResult.objects.values("job_id", "step", "attempt")
-             if m["job_id"] in mine]
+             if m["job_id"] in logged]
     dup, allowed, phantom, unexplained = duplicate_executions(
         started, memos, events, kills | lab.paused
     )

@@ -38,7 +38,8 @@ class Size:
     storm_kill_every: float  # seconds between random worker kills
     hold_jobs: int  # paused lease holders
     terminate_jobs: int  # jobs running while connections are terminated
-    terminate_every: float
+    terminate_every: float  # mean seconds between rounds of pg_terminate_backend
+    terminate_rounds: int
     restart_postgres: bool
     skew_jobs: int
     contention_jobs: int
@@ -49,14 +50,14 @@ class Size:
 SIZES = {
     "small": Size(
         name="small", fault_jobs=4, random_jobs=0, random_probability=0.0, random_workers=2,
-        storm_jobs=150, storm_workers=4, storm_kill_every=1.0, hold_jobs=2, terminate_jobs=60,
-        terminate_every=0.4, restart_postgres=False, skew_jobs=10, contention_jobs=120,
+        storm_jobs=150, storm_workers=4, storm_kill_every=1.0, hold_jobs=2, terminate_jobs=80,
+        terminate_every=0.5, terminate_rounds=8, restart_postgres=False, skew_jobs=10, contention_jobs=120,
         contention_workers=4, settle_timeout=60,
     ),
     "release": Size(
         name="release", fault_jobs=20, random_jobs=4000, random_probability=0.02,
         random_workers=4, storm_jobs=10_000, storm_workers=8, storm_kill_every=3.0, hold_jobs=6,
-        terminate_jobs=1500, terminate_every=1.0, restart_postgres=True, skew_jobs=100,
+        terminate_jobs=1500, terminate_every=1.0, terminate_rounds=120, restart_postgres=True, skew_jobs=100,
         contention_jobs=2000, contention_workers=4, settle_timeout=300,
     ),
 }
@@ -220,14 +221,24 @@ def _lines(path):
 # 5. Database connections killed, PostgreSQL restarted ----------------------------------
 
 
-def _terminate_backends():
-    """pg_terminate_backend every other connection to this database; return how many."""
+def _terminate_backends(window=1.0):
+    """Kill worker connections: one caught inside a transaction if one shows up in ``window``
+    seconds, else every worker connection (the next query of each finds it dead).
+
+    Returns ``(mid_transaction, other)`` counts of terminated backends.
+    """
+    base = ("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid() "
+            "AND backend_type = 'client backend'")
+    deadline = time.monotonic() + window
     with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
-        )
-        return cursor.fetchone()[0]
+        while time.monotonic() < deadline:
+            cursor.execute(base + " AND xact_start IS NOT NULL")
+            caught = cursor.fetchone()[0]
+            if caught:
+                return caught, 0
+        cursor.execute(base)
+        return 0, cursor.fetchone()[0]
 
 
 def _worker_restarts(lab, proc):
@@ -237,20 +248,25 @@ def _worker_restarts(lab, proc):
 def terminated_connections(lab, size):
     """Kill worker connections mid-transaction over and over: workers reconnect on their own."""
     began = time.monotonic()
-    lab.submit(size.terminate_jobs, prefix="term", work=0.01)
+    lab.submit(size.terminate_jobs, prefix="term", work=0.05)
     proc = lab.runworkers(3)
     lab.wait_for_workers(proc, 3)
-    terminated = rounds = 0
-    deadline = time.monotonic() + max(90, size.terminate_jobs * 0.3)
-    while time.monotonic() < deadline and lab.unsettled():
-        time.sleep(size.terminate_every)
-        terminated += _terminate_backends()
-        rounds += 1
+    mid = idle = rounds = 0
+    while rounds < size.terminate_rounds and lab.unsettled():
+        time.sleep(lab.rng.uniform(0.5, 1.5) * size.terminate_every)
+        caught, other = _terminate_backends()
+        mid, idle, rounds = mid + caught, idle + other, rounds + 1
+    # The same workers, never restarted, must finish everything.
+    recovered = lab.wait_settled(max(60, size.terminate_jobs * 0.2), proc)
     restarts = _worker_restarts(lab, proc)
     lab.stop(proc)
     settled = lab.settle(size.settle_timeout)
     row = count(lab, "pg_terminate_backend", began=began,
-                extra={"terminated": terminated, "rounds": rounds, "worker_restarts": restarts})
+                extra={"mid_transaction": mid, "between_transactions": idle, "rounds": rounds,
+                       "worker_restarts": restarts,
+                       "recovered": recovered})
+    if not recovered:
+        row.notes.append("the workers did not finish the jobs on their own")
     if restarts:
         row.notes.append(f"{restarts} worker processes died and were replaced")
     if not settled:
@@ -344,6 +360,8 @@ def skewed_env(offset):
 
 def clock_skew(lab, size):
     """Workers an hour ahead and an hour behind steal no lease and wake no timer early."""
+    from django.db.models import F
+
     began = time.monotonic()
     # A holder with a true clock works a step longer than the lease (renewing it).
     held = lab.submit(1, prefix="skew-held", workflow="drill_hold",
@@ -355,12 +373,12 @@ def clock_skew(lab, size):
     # Meanwhile workers whose clocks are an hour off claim everything else.
     ahead = lab.runworkers(2, env=skewed_env("+1h"))
     behind = lab.runworkers(1, env=skewed_env("-1h"))
+    ahead_pids = lab.wait_for_workers(ahead, 2)
+    behind_pids = lab.wait_for_workers(behind, 1)
     plain = lab.submit(size.skew_jobs, prefix="skew")
-    timers = []
-    for i in range(3):
-        key = f"skew-timer-{i}"
+    timers = [f"skew-timer-{i}" for i in range(3)]
+    for key in timers:
         durable.submit("wait_until", key, {"seconds": 3})
-        timers.append(key)
     lab.submitted.extend(timers)
     submitted_at = time.monotonic()
     woke = {}
@@ -375,25 +393,36 @@ def clock_skew(lab, size):
     for proc in (ahead, behind, holder):
         lab.stop(proc)
     lab.settle(size.settle_timeout)
+
+    def claims(pids):
+        return sum(JobEvent.objects.filter(job_id__in=plain + timers, kind=EventKind.CLAIMED,
+                                           actor__contains=f":{pid}:").count() for pid in pids)
+
     stolen = JobEvent.objects.filter(job_id__in=held, kind=EventKind.RECLAIMED).count()
-    executions_b = sum(1 for line in _lines(lab.exec_log)
+    runs_of_held = sum(1 for line in _lines(lab.exec_log)
                        if line[0] == "exec" and line[1] in held and line[2] == "b")
     early = sorted(round(s, 2) for s in woke.values() if s < 3.0)
-    skewed_pids = set(lab.worker_pids(ahead)) | set(lab.worker_pids(behind))
+    # Timestamps a skewed worker wrote itself (not with the database clock): an hour off.
+    skewed_actors = [f":{pid}:" for pid in ahead_pids + behind_pids]
+    stamped = JobEvent.objects.filter(job_id__in=plain + timers).annotate(
+        created=F("job__created")).values_list("actor", "at", "created")
+    off_by_an_hour = sum(1 for actor, at, created in stamped
+                         if any(a in actor for a in skewed_actors)
+                         and abs((at - created).total_seconds()) > 1800)
     row = count(lab, "clock skew +-1h", began=began, extra={
-        "stolen_leases": stolen, "held_b_runs": executions_b, "early_timers": early,
+        "stolen_leases": stolen, "held_step_runs": runs_of_held, "early_timers": len(early),
         "timer_seconds": sorted(round(s, 2) for s in woke.values()),
+        "claims_ahead": claims(ahead_pids), "claims_behind": claims(behind_pids),
+        "events_stamped_by_skewed_clock": off_by_an_hour,
     })
-    if stolen or executions_b != 1:
+    if stolen or runs_of_held != 1:
         row.notes.append(f"a skewed worker stole the held lease ({stolen} reclaims, "
-                         f"{executions_b} runs of the held step)")
+                         f"{runs_of_held} runs of the held step)")
         row.stale += stolen
     if early:
         row.notes.append(f"timers woke early: {early}")
-    claimed_by_skewed = JobEvent.objects.filter(job_id__in=plain, kind=EventKind.CLAIMED).exclude(
-        actor__contains=f":{holder.pid}:").count()
-    row.extra["claims"] = claimed_by_skewed
-    del skewed_pids
+    if not row.extra["claims_ahead"] or not row.extra["claims_behind"]:
+        row.notes.append("a skewed worker claimed nothing: the drill did not exercise it")
     return row
 
 

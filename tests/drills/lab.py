@@ -28,9 +28,9 @@ from durable.workflows import registry
 ROOT = Path(__file__).resolve().parent.parent.parent
 
 # A lease short enough that a killed worker's job is reclaimed within seconds.
-DRILL_LEASE = 2.0
+DRILL_LEASE = 3.0
 # The default step timeout must stay below the lease (drill steps take milliseconds).
-DRILL_STEP_TIMEOUT = 1.5
+DRILL_STEP_TIMEOUT = 2.0
 
 SETTLED_KINDS = (
     StateKind.TERMINAL, StateKind.FAILED, StateKind.HUMAN, StateKind.APPROVAL, StateKind.UNKNOWN,
@@ -271,15 +271,18 @@ class Lab:
         """The quiet period: clean workers run until every job is settled; True if all were."""
         proc = self.runworkers(processes)
         try:
-            return self.wait_settled(timeout)
+            return self.wait_settled(timeout, proc)
         finally:
             self.stop(proc)
 
-    def wait_settled(self, timeout):
+    def wait_settled(self, timeout, proc=None):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.unsettled() == 0:
                 return True
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"runworkers exited during the quiet period:\n"
+                                   f"{self.output(proc)[-3000:]}")
             time.sleep(0.2)
         return False
 
