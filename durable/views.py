@@ -256,7 +256,7 @@ def dashboard(request, admin_site):
             tiles.append({
                 "row": row,
                 "kind_label": row.kind.label if row.kind else "unknown state",
-                "url": jobs_url(admin_site, workflow__exact=row.workflow, state__exact=row.state),
+                "url": jobs_url(admin_site, workflow=row.workflow, state=row.state),
                 "attention": row.kind is not None and row.kind.is_waiting_for_operator,
             })
         sections.append({
@@ -270,7 +270,7 @@ def dashboard(request, admin_site):
     failures = [
         {"group": g,
          "requeue_url": _url(admin_site, "durable_requeue_group", g.fingerprint),
-         "jobs_url": jobs_url(admin_site, failed="yes", workflow__exact=g.workflow)}
+         "jobs_url": jobs_url(admin_site, failed="yes", workflow=g.workflow)}
         for g in status["failures"]
     ]
     stuck = [{**row, "url": job_url(admin_site, row["id"])} for row in status["stuck"]]
