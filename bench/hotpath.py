@@ -63,11 +63,57 @@ def drain_inline(worker):
             started = worker.runner.run_step(started)
 
 
+def count_actions(jobs, out, label):
+    """Statements, commits and time per action: worker step then dispatcher, inline, 1 thread."""
+    from django.db import connection, connections, transaction
+    from django.test.utils import CaptureQueriesContext
+
+    import durable
+    from durable.dispatch import Dispatcher
+    from durable.models import Outbox
+    from durable.worker import Worker
+
+    worker = Worker(name="bench-hotpath", burst=True)
+    dispatcher = Dispatcher(name="bench-dispatch", burst=True, threads=1, batch_size=1)
+    with transaction.atomic():
+        for i in range(jobs):
+            durable.submit("bench_action", f"act-{i:06d}", {"n": i})
+    results = {}
+    for phase, run in (("worker (step returns the Action)", lambda: drain_inline(worker)),
+                       ("dispatcher (claim, mark, send, record)", lambda: _dispatch_all(dispatcher))):
+        commits = Commits(connections["default"])
+        began = time.perf_counter()
+        with CaptureQueriesContext(connection) as ctx:
+            run()
+        elapsed = time.perf_counter() - began
+        commits.close()
+        by = collections.Counter(_normalise(q["sql"]) for q in ctx.captured_queries)
+        results[phase] = (len(ctx.captured_queries), commits.count, elapsed, by)
+    done = Outbox.objects.filter(status="succeeded").count()
+    lines = [f"# per action on {label}: {jobs} one-step action jobs, inline, one thread; "
+             f"{done} succeeded"]
+    for phase, (n, commits, elapsed, by) in results.items():
+        lines.append(f"## {phase}: {n / jobs:.1f} statements, {commits / jobs:.2f} commits, "
+                     f"{elapsed / jobs * 1e6:.0f} us per action (capture on)")
+        for sql, k in by.most_common():
+            lines.append(f"{k / jobs:6.2f}/action  {sql[:300]}")
+    (out / f"statements-actions-{label}.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(line for line in lines if line.startswith("#")))
+
+
+def _dispatch_all(dispatcher):
+    while dispatcher.run_once():
+        pass
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--jobs", type=int, default=200, help="jobs whose statements are counted")
     p.add_argument("--profile-jobs", type=int, default=1000, help="jobs drained under pyinstrument")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    p.add_argument("--actions", type=int, default=0,
+                   help="also count per-action statements for this many action jobs "
+                        "(needs BENCH_ACTIONS=1 and BENCH_RECEIVER_URL)")
     args = p.parse_args(argv)
     _setup()
     from django.db import connection, connections
@@ -128,6 +174,8 @@ def main(argv=None):
     (out / f"pyinstrument-{label}.html").write_text(profiler.output_html())
     print(f"# pyinstrument: {steps} steps -> {out}/pyinstrument-{label}.txt")
     worker.heartbeat.stop()
+    if args.actions:
+        count_actions(args.actions, out, label)
     return 0
 
 

@@ -300,14 +300,27 @@ class Bench:
                   f"steps/s under the profiler\n")
         (out / f"profile-{label}.txt").write_text(header + text + "\n")
         print(header + text, file=sys.stderr)
-        env = self.fresh(db, synchronous)
-        hot = subprocess.run([sys.executable, "-m", "bench.hotpath", "--jobs", "200",
-                              "--profile-jobs", "1000", "--out", str(out)], cwd=ROOT,
-                             env={**env, "BENCH_HOTPATH_LABEL": label}, capture_output=True,
-                             text=True)
+        from durable.testing import ReceiverProcess
+
+        receiver = ReceiverProcess(self.tmp / f"receiver-profile-{label}.jsonl").start()
+        try:
+            env = self.fresh(db, synchronous)
+            env.update(BENCH_HOTPATH_LABEL=label, BENCH_ACTIONS="1", BENCH_RECEIVER_URL=receiver.url)
+            hot = subprocess.run([sys.executable, "-m", "bench.hotpath", "--jobs", "200",
+                                  "--profile-jobs", "1000", "--actions", "100", "--out", str(out)],
+                                 cwd=ROOT, env=env, capture_output=True, text=True)
+        finally:
+            receiver.stop()
         print(hot.stdout, file=sys.stderr)
         if hot.returncode != 0:
             raise RuntimeError(hot.stderr[-2000:])
+        env = self.fresh(db, synchronous)
+        cost = subprocess.run([sys.executable, "-m", "bench.ormcost", "--n", "2000"], cwd=ROOT,
+                              env=env, capture_output=True, text=True)
+        if cost.returncode != 0:
+            raise RuntimeError(cost.stderr[-2000:])
+        (out / f"ormcost-{label}.txt").write_text(cost.stdout)
+        print(cost.stdout, file=sys.stderr)
 
     def label(self, db, synchronous):
         return f"sqlite-{synchronous.lower()}" if db == "sqlite" else db
@@ -369,6 +382,8 @@ def main(argv=None):
         "duration_s": round(time.time() - started, 1),
         "command": "python bench/run.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "options": {k: v for k, v in vars(args).items() if k not in ("pg_url",)},
+        "environment": {k: v for k, v in os.environ.items()
+                        if k.startswith("BENCH_") or k == "DURABLE_SQLITE_SYNCHRONOUS"},
         "machine": info,
         "records": bench.records,
         "plans": getattr(bench, "plans", {}),

@@ -10,6 +10,7 @@ SQLite gets exactly the project's pragmas (WAL, IMMEDIATE transactions, busy tim
 DURABLE_SQLITE_SYNCHRONOUS=FULL|NORMAL picks synchronous, as it does for the project.
 """
 
+import json
 import os
 
 import environ
@@ -53,6 +54,8 @@ if os.environ.get("BENCH_CONN_MAX_AGE"):
 # Engine settings as shipped (lease 60 s, poll 1 s, LISTEN on); only what the
 # benchmark must control is set here.
 DURABLE = {**DURABLE, "LEASE_SECONDS": 60.0, "STEP_TIMEOUT": 30.0}
+# Experiments: BENCH_DURABLE='{"DISPATCH_BATCH_SIZE": 1}' overrides engine settings.
+DURABLE.update(json.loads(os.environ.get("BENCH_DURABLE") or "{}"))
 # Benchmark destination for the actions figure (a local durable.testing.Receiver).
 if os.environ.get("BENCH_RECEIVER_URL"):
     _receiver = os.environ["BENCH_RECEIVER_URL"]
