@@ -158,7 +158,8 @@ def _machine_lines(result):
 
 
 def render_table(result):
-    lines = [f"durable benchmark, {result['started']}, {result['duration_s']} s",
+    lines = [f"durable benchmark of {result.get('source', '?')}, {result['started']}, "
+             f"{result['duration_s']} s",
              *_machine_lines(result),
              "each cell: median (min–max) over the repeats"]
     for title, header, body in rows(result):
@@ -174,7 +175,8 @@ def render_table(result):
 
 def render_markdown(result):
     lines = ["# durable benchmark results", "",
-             f"`{result['command']}`, {result['started']}, {result['duration_s']} s.", ""]
+             f"`{result['command']}` on {result.get('source', '?')}, {result['started']},"
+             f" {result['duration_s']} s.", ""]
     lines += [f"- {line}" for line in _machine_lines(result)]
     lines += ["- each cell: median (min–max) over the repeats", ""]
     for title, header, body in rows(result):

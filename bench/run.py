@@ -364,6 +364,20 @@ class Bench:
                     self.attempt(f"rss {db}", self.rss, db, sync)
 
 
+def source_version():
+    """The commit measured (and whether the tree had local changes), for the record."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True,
+                              capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "durable"], cwd=ROOT,
+                               check=True, capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return f"{head}{' with local changes to durable/' if dirty else ''}"
+
+
 def main(argv=None):
     args = parse_args(argv)
     bench = Bench(args)
@@ -381,6 +395,7 @@ def main(argv=None):
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
         "duration_s": round(time.time() - started, 1),
         "command": "python bench/run.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "source": source_version(),
         "options": {k: v for k, v in vars(args).items() if k not in ("pg_url",)},
         "environment": {k: v for k, v in os.environ.items()
                         if k.startswith("BENCH_") or k == "DURABLE_SQLITE_SYNCHRONOUS"},
