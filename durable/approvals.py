@@ -496,10 +496,10 @@ def _describe(approval):
 def _locked(approval_id):
     try:
         return (
-            # Only the approval row is locked (decided_by is an outer join); the job is
-            # moved by compare-and-swap, which needs no lock.
-            Approval.objects.select_for_update(of=("self",)).select_related("job", "decided_by")
-            .get(pk=approval_id)
+            # The approval row alone, no joins: on PostgreSQL a row locked after waiting
+            # is re-read, but rows joined to it would keep the stale snapshot. The job
+            # and the decider are read after the lock; the job moves by compare-and-swap.
+            Approval.objects.select_for_update().get(pk=approval_id)
         )
     except (Approval.DoesNotExist, ValueError, TypeError):
         raise DecisionRefused(f"There is no proposal {approval_id!r}") from None

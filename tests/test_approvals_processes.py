@@ -103,3 +103,46 @@ def test_inputs_changed_while_workers_were_down_are_reviewed_again_not_sent(
         workers.terminate(proc)
 
     assert [a["body"]["amount"] for a in receiver.actions] == ["30.00"]
+
+
+def test_two_people_approving_at_once_make_one_decision(receiver, order, run_worker_inline,
+                                                        django_user_model):
+    import threading
+
+    from django.db import connection
+
+    from durable.exceptions import DecisionRefused
+
+    perm = Permission.objects.get(codename="approve_proposal")
+    users = []
+    for name in ("ada", "bea"):
+        user = django_user_model.objects.create_user(name, is_staff=True)
+        user.user_permissions.add(perm)
+        users.append(django_user_model.objects.get(pk=user.pk))
+    services.submit("refund", "job-1", {"order_file": order})
+    run_worker_inline()
+    approval = requested()
+    barrier = threading.Barrier(2)
+    outcomes = []
+
+    def decide(user):
+        try:
+            barrier.wait()
+            approvals.approve(approval.pk, approval.proposal_hash, user)
+            outcomes.append("approved")
+        except DecisionRefused as exc:
+            outcomes.append(str(exc))
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=decide, args=(user,)) for user in users]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+
+    assert outcomes.count("approved") == 1
+    assert len(outcomes) == 2
+    assert "already approved by" in next(o for o in outcomes if o != "approved")
+    assert JobEvent.objects.filter(job_id="job-1", to_state="in_flight_refund").count() == 1
+    assert state() == "in_flight_refund"
