@@ -39,6 +39,8 @@ from .workflows import registry
 DEFAULT_WINDOW = datetime.timedelta(minutes=15)
 COST_WINDOW = datetime.timedelta(hours=24)
 STUCK_LIMIT = 50
+# Money has the precision of StepResult.cost: six places.
+MONEY = Decimal("0.000001")
 
 
 # Scopes: which (workflow, state) pairs are of a kind ------------------------------------
@@ -177,8 +179,13 @@ def where_is_everything(*, now=None, window=DEFAULT_WINDOW, workflow=None):
             # Everything left this state during the window.
             row = rows[wf, state] = StateRow(wf, state, kind_of(wf, state), 0, 0.0, 0.0)
         row.count_before, row.avg_age_before = count, avg_age
+    finished = _finished_since(now - window, workflow)
     for row in rows.values():
-        if row.count_before is None:
+        if row.is_terminal:
+            # Terminal states are never left: what was there is what is there, less arrivals.
+            row.count_before = row.count - finished.get((row.workflow, row.state), 0)
+            row.avg_age_before = None
+        elif row.count_before is None:
             row.count_before, row.avg_age_before = 0, None
         row.stalled = _is_stalled(row, window)
     ordered = sorted(rows.values(), key=_display_order)
@@ -237,6 +244,16 @@ def _states_at(moment, workflow=None):
     ).order_by():
         result[g["workflow"], g["state_then"]] = (g["count"], max(_seconds(g["avg_age"]) or 0, 0))
     return result
+
+
+def _finished_since(moment, workflow=None):
+    """``{(workflow, terminal state): jobs that reached it after moment}``."""
+    q = kind_q(StateKind.TERMINAL, workflow=workflow)
+    events = JobEvent.objects.filter(at__gt=moment, job__in=Job.objects.filter(q)).exclude(
+        from_state=F("to_state")
+    )
+    rows = events.values("job__workflow", "to_state").annotate(n=Count("job_id", distinct=True))
+    return {(r["job__workflow"], r["to_state"]): r["n"] for r in rows.order_by()}
 
 
 # 2. What is stuck? ----------------------------------------------------------------------
@@ -389,8 +406,9 @@ def cost_per_step(*, now=None, window=COST_WINDOW, workflow=None):
         .order_by("-total", "workflow", "step")
     )
     for row in rows:
-        row["total"] = Decimal(row["total"] or 0)
-        row["mean"] = Decimal(row["mean"] or 0)
+        # The same precision as the column, whatever the database's arithmetic returned.
+        row["total"] = Decimal(row["total"] or 0).quantize(MONEY)
+        row["mean"] = Decimal(row["mean"] or 0).quantize(MONEY)
     return rows
 
 
@@ -433,7 +451,7 @@ def cost_by_day(start, end, *, by="step", workflow=None):
             "name": name, "workflow": row["workflow"], "step": row.get("step", ""),
             "per_day": [Decimal(0)] * len(days), "total": Decimal(0), "count": 0,
         })
-        amount = Decimal(row["total"] or 0)
+        amount = Decimal(row["total"] or 0).quantize(MONEY)
         if row["day"] in index:
             s["per_day"][index[row["day"]]] += amount
         s["total"] += amount

@@ -312,3 +312,15 @@ def test_status_brings_the_four_queries_and_alerts_to_one_database_time(busy):
     assert [p.workflow for p in status["paused"]] == ["test_pipeline"]
     assert Pause.objects.get().reason == "deploy"
     assert {a.code for a in status["alerts"]} >= {"failed"}
+
+
+def test_finished_jobs_count_what_arrived_during_the_window(db):
+    now = locking.db_now()
+    for i in range(3):
+        make_job(f"long-ago{i}", "delivered", age=5000, now=now,
+                 history=[("delivering", "delivered", 5000)])
+    make_job("just-now", "delivered", age=60, now=now, history=[("delivering", "delivered", 60)])
+
+    [row] = reports.where_is_everything(now=now).rows
+
+    assert (row.count_before, row.count) == (3, 4) and not row.stalled

@@ -1,14 +1,19 @@
 import argparse
+import dataclasses
+import datetime
+import json
 
 from django.core.management.base import BaseCommand, CommandError
+from django.core.serializers.json import DjangoJSONEncoder
 
-from durable import services
+from durable import reports, services
 from durable.exceptions import DurableError
 from durable.workflows import registry
 
 
 class Command(BaseCommand):
-    help = "Inspect and operate durable: graph WORKFLOW | requeue|cancel|retry JOB... "
+    help = ("Inspect and operate durable: status [--check] | graph WORKFLOW | "
+            "requeue|cancel|retry JOB... | purge")
 
     def add_arguments(self, parser):
         sub = parser.add_subparsers(dest="verb", required=True)
@@ -20,6 +25,7 @@ class Command(BaseCommand):
             p.add_argument("--reason", default="", help="Recorded in the job's history.")
             p.add_argument("--user", default="cli", help="Who is acting (recorded).")
         add_purge_arguments(sub)
+        add_status_arguments(sub)
 
     def handle(self, *args, verb, **options):
         return getattr(self, f"do_{verb}")(**options)
@@ -73,6 +79,23 @@ class Command(BaseCommand):
         if done.costs_kept:
             self.stdout.write(f"kept their cost, {done.costs_kept}, in the cost rollup")
 
+    def do_status(self, workflow, window, check, as_json, **options):
+        if workflow and workflow not in registry:
+            raise CommandError(f"No workflow is registered as {workflow!r}"
+                               f" (registered: {', '.join(registry.names()) or 'none'})")
+        if window <= 0:
+            raise CommandError("--window must be a positive number of minutes")
+        status = reports.status(window=datetime.timedelta(minutes=window), workflow=workflow)
+        if as_json:
+            self.stdout.write(json.dumps(status_as_data(status), cls=DjangoJSONEncoder, indent=2))
+        elif check:
+            self.stdout.write("\n".join(alert_lines(status)))
+        else:
+            self.stdout.write("\n".join(status_lines(status)))
+        if check and status["alerts"]:
+            n = len(status["alerts"])
+            raise CommandError(f"{n} alert{'s' if n != 1 else ''} firing", returncode=1)
+
 
 def add_purge_arguments(sub):
     p = sub.add_parser("purge", help="Delete finished jobs and their rows, in batches.")
@@ -84,3 +107,111 @@ def add_purge_arguments(sub):
                         "(default DURABLE['PURGE_KEEP_COSTS']).")
     p.add_argument("--workflow", default=None, help="Only jobs of this workflow.")
     p.add_argument("--dry-run", action="store_true", help="Count, delete nothing.")
+
+
+def add_status_arguments(sub):
+    p = sub.add_parser("status", help="Print the four operator queries and the alerts.")
+    p.add_argument("--workflow", default=None, help="Only this workflow.")
+    p.add_argument("--window", type=float, default=15,
+                   help="Minutes over which the trend (and a stalled stage) is measured.")
+    p.add_argument("--check", action="store_true",
+                   help="Print only the alerts; exit 1 if any fires (for cron and monitoring).")
+    p.add_argument("--json", dest="as_json", action="store_true", help="Print JSON instead.")
+
+
+# Rendering the status as text: plain tables, one per query, each with its scope.
+
+
+def _age(seconds):
+    from durable.templatetags.durable_console import age
+
+    return age(seconds)
+
+
+def table(headers, rows):
+    """Left-aligned columns, numbers right-aligned, two spaces apart."""
+    rows = [[("" if v is None else str(v)) for v in row] for row in rows]
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
+    numeric = [all(r[i].replace(".", "", 1).isdigit() for r in rows if r[i]) and rows
+               for i in range(len(headers))]
+
+    def line(cells):
+        return "  ".join(
+            c.rjust(w) if num else c.ljust(w) for c, w, num in zip(cells, widths, numeric, strict=True)
+        ).rstrip()
+
+    return [line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)]
+
+
+def alert_lines(status):
+    if not status["alerts"]:
+        return [f"OK: no alerts{_scope(status)} at {status['now']:%Y-%m-%d %H:%M:%S} UTC"]
+    lines = []
+    for alert in status["alerts"]:
+        lines += [f"{alert.level.upper()}: {alert.title}. {alert.detail}",
+                  f"  What to do: {alert.todo}"]
+    return lines
+
+
+def _scope(status):
+    return f" in {status['workflow']}" if status["workflow"] else ""
+
+
+def status_lines(status):
+    now, overview = status["now"], status["overview"]
+    window = _age(overview.window.total_seconds())
+    out = [f"durable status{_scope(status) or ' (all workflows)'} as of "
+           f"{now:%Y-%m-%d %H:%M:%S} UTC, database clock", ""]
+    out += ["Alerts", *("  " + line for line in alert_lines(status)), ""]
+    for pause in status["paused"]:
+        out.append(f"PAUSED: {pause.workflow} by {pause.paused_by or 'someone'} at "
+                   f"{pause.paused_at:%Y-%m-%d %H:%M} UTC: {pause.reason}")
+    if status["paused"]:
+        out.append("")
+    out.append(f"1. Where is everything? Jobs per workflow and state now; trend over {window}.")
+    rows = [[r.workflow, r.state, r.count, _age(r.avg_age) if r.count else "",
+             _age(r.oldest_age) if r.count else "", r.count_before,
+             "STALLED" if r.stalled else ""] for r in overview.rows]
+    out += table(["workflow", "state", "count", "avg age", "oldest", f"{window} ago", ""], rows)
+    stuck = status["stuck"]
+    out += ["", f"2. What is stuck? Leases expired before {now:%H:%M:%S} UTC: {len(stuck)}"
+                f"{'' if len(stuck) < reports.STUCK_LIMIT else '+'}."]
+    if stuck:
+        out += table(["job", "workflow", "state", "attempts", "lease owner", "expired", "last error"],
+                     [[r["id"], r["workflow"], r["state"], r["attempts"], r["lease_owner"],
+                       _age(r["expired_for"]) + " ago", (r["last_error"] or "")[:60]] for r in stuck])
+    failures = status["failures"]
+    out += ["", f"3. What is failing? Jobs in failed states now, by cause: "
+                f"{sum(g.count for g in failures)} in {len(failures)} groups."]
+    if failures:
+        out += table(["count", "first seen", "last seen", "workflow.step", "error", "message"],
+                     [[g.count, f"{g.first_seen:%m-%d %H:%M}", f"{g.last_seen:%m-%d %H:%M}",
+                       f"{g.workflow}.{g.step}", g.error_class, g.message[:60]] for g in failures])
+    costs = status["costs"]
+    total = sum((r["total"] for r in costs), 0)
+    out += ["", f"4. Which step costs the money? Memos written in the "
+                f"{_age(status['cost_window'].total_seconds())} to {now:%Y-%m-%d %H:%M} UTC: "
+                f"{total:.4f} in all."]
+    if costs:
+        out += table(["workflow", "step", "count", "total", "mean"],
+                     [[r["workflow"], r["step"], r["count"], f"{r['total']:.4f}",
+                       f"{r['mean']:.6f}"] for r in costs])
+    return out
+
+
+def status_as_data(status):
+    overview = status["overview"]
+    return {
+        "now": status["now"], "workflow": status["workflow"],
+        "window_seconds": overview.window.total_seconds(),
+        "states": [{**dataclasses.asdict(r), "kind": r.kind.value if r.kind else None}
+                   for r in overview.rows],
+        "stuck": status["stuck"],
+        "failures": [{**dataclasses.asdict(g), "states": sorted(g.states)}
+                     for g in status["failures"]],
+        "costs": status["costs"],
+        "cost_window_seconds": status["cost_window"].total_seconds(),
+        "alerts": [dataclasses.asdict(a) for a in status["alerts"]],
+        "paused": [{"workflow": p.workflow, "paused_by": p.paused_by, "paused_at": p.paused_at,
+                    "reason": p.reason} for p in status["paused"]],
+    }
