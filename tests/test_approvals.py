@@ -11,6 +11,7 @@ import pytest
 from django.contrib.admin.models import LogEntry
 from django.contrib.auth.models import Permission
 from django.db.models.functions import Now
+from django.utils import timezone
 
 from durable import approvals, services
 from durable.destinations import registry as destinations
@@ -278,6 +279,22 @@ def test_a_decision_on_an_expired_proposal_is_refused_and_marks_it_expired(propo
     assert Approval.objects.get(pk=approval.pk).status == ApprovalStatus.EXPIRED
     assert outbox().next_attempt_at is None
     assert state() == "awaiting_approval_refund"
+
+
+def test_expiry_is_judged_by_the_database_clock_not_the_web_servers(
+    propose, approver, receiver, monkeypatch
+):
+    approval = propose()
+    # This process's clock runs two days ahead (past the 24 h expiry); the database's
+    # does not, and it is the one that decides.
+    ahead = timezone.now() + datetime.timedelta(days=2)
+    monkeypatch.setattr(timezone, "now", lambda: ahead)
+
+    approvals.approve(approval.pk, approval.proposal_hash, approver)
+    dispatch_all()
+
+    assert len(receiver.actions) == 1
+    assert state() == "refunded"
 
 
 def test_a_rejection_needs_a_reason(propose, approver):
