@@ -1,0 +1,28 @@
+"""Drill 6: workers whose wall clock is an hour off (libfaketime) steal no lease, wake no timer early."""
+
+import pytest
+
+from tests.conftest import ON_POSTGRES
+
+from .conftest import assert_targets
+from .drills import clock_skew, faketime_library
+
+pytestmark = [
+    pytest.mark.crash,
+    pytest.mark.postgres,
+    pytest.mark.django_db(transaction=True),
+    # SQLite has no server: its 'now' is the calling process's clock, one machine, one clock.
+    pytest.mark.skipif(not ON_POSTGRES, reason="the database clock is a server's on PostgreSQL only"),
+    pytest.mark.skipif(faketime_library() is None, reason="libfaketime missing (apt-get install faketime)"),
+]
+
+
+def test_workers_an_hour_ahead_or_behind_steal_no_lease_and_wake_no_timer_early(lab, size):
+    row = clock_skew(lab, size)
+    assert row.extra["stolen_leases"] == 0
+    assert row.extra["held_step_runs"] == 1
+    assert row.extra["early_timers"] == 0
+    # The skewed workers did work (so the drill exercised them) on the database clock.
+    assert row.extra["claims_ahead"] > 0
+    assert row.extra["claims_behind"] > 0
+    assert_targets(row)

@@ -1,0 +1,27 @@
+"""Drill 1: SIGKILL a worker at every named fault point, once each, on this database."""
+
+import pytest
+
+from .conftest import assert_targets
+from .drills import JOB_POINTS, fault_point_once, wired_points
+
+pytestmark = [pytest.mark.crash, pytest.mark.django_db(transaction=True)]
+
+
+@pytest.mark.parametrize("point", JOB_POINTS)
+def test_a_worker_killed_at_this_point_loses_nothing_and_duplicates_only_the_step_it_hit(
+    lab, size, point
+):
+    if point not in wired_points():
+        pytest.skip(f"no code reaches the fault point {point} yet")
+    row = fault_point_once(lab, point, size)
+    assert row.extra["fired"], f"the fault point {point} never fired"
+    assert row.kills >= 1
+    assert_targets(row)
+    assert lab.done() == row.jobs
+    if point in ("after_claim", "before_step", "after_commit", "after_final_transition",
+                 "during_backoff"):
+        # Killed outside a step body, or after its memo committed: nothing runs twice.
+        assert row.dup_exec == 0
+    if point in ("mid_step", "after_step_before_commit", "before_final_transition"):
+        assert 1 <= row.dup_exec <= row.kills
