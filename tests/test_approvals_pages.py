@@ -240,3 +240,28 @@ def test_an_unknown_decision_is_refused(propose, approver_client):
 
     assert response.status_code == 409
     assert Approval.objects.get(pk=approval.pk).status == ApprovalStatus.REQUESTED
+
+
+def test_a_refusal_at_the_destination_is_shown_to_the_operator_as_a_failure(
+    propose, receiver, approver_client, django_user_model
+):
+    from durable.dispatch import Dispatcher
+
+    approval = propose()
+    receiver.behave("forbidden")
+    approver_client.post(page_url(approval), {
+        "decision": "approve", "proposal_hash": approval.proposal_hash,
+    })
+    dispatcher = Dispatcher(name="test-dispatcher", burst=True, threads=1)
+    while dispatcher.run_once():
+        pass
+
+    operator = Client()
+    operator.force_login(django_user_model.objects.create_superuser("root", password="pw"))
+    job_page = operator.get(reverse("admin:durable_job_change", args=["job-1"]))
+    assert job_page.status_code == 200
+    assert "failed_refund" in job_page.content.decode()
+    assert "HTTP 403" in job_page.content.decode()
+    proposal_page = approver_client.get(page_url(approval)).content.decode()
+    assert "now failed_refund" in proposal_page
+    assert receiver.requests == 1
