@@ -68,3 +68,35 @@ def describe(*, sqlite_dir=None, pg_url=None, sqlite_pragmas=None):
         except Exception as exc:  # noqa: BLE001 - the report says why it is missing
             info["postgres"] = {"error": str(exc)}
     return info
+
+
+def _cpu_times():
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    values = [int(v) for v in fields]
+    idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+    return idle, sum(values)
+
+
+def busy_fraction(seconds=1.0):
+    """Share of all cores busy over ``seconds`` (other people's work, between measurements)."""
+    import time
+
+    try:
+        idle0, total0 = _cpu_times()
+        time.sleep(seconds)
+        idle1, total1 = _cpu_times()
+    except OSError:
+        return None
+    total = total1 - total0
+    return 1 - (idle1 - idle0) / total if total else None
+
+
+def wait_for_quiet(threshold, max_wait):
+    """Wait up to ``max_wait`` s for the machine to be mostly idle; return the busy share seen."""
+    import time
+
+    deadline = time.monotonic() + max_wait
+    busy = busy_fraction()
+    while busy is not None and busy > threshold and time.monotonic() < deadline:
+        busy = busy_fraction()
+    return busy

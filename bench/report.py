@@ -145,6 +145,15 @@ def rows(result):
     return out
 
 
+def _busy_line(result):
+    busy = [r["busy_before"] for r in result["records"] if r.get("busy_before") is not None]
+    if not busy:
+        return []
+    s = stats(busy)
+    return [f"machine busy (other work) just before each measurement: median {s['median']:.0%}, "
+            f"max {s['max']:.0%} of all cores"]
+
+
 def _machine_lines(result):
     m = result["machine"]
     lines = [f"{m['cores']} cores ({m['cpu']}), {m['memory_gb']} GB, Linux {m['kernel']}, "
@@ -154,7 +163,7 @@ def _machine_lines(result):
         lines.append(f"SQLite on {m.get('sqlite_filesystem')}: {m['sqlite_pragmas']}")
     if "postgres" in m:
         lines.append(f"PostgreSQL: {m['postgres']}")
-    return lines
+    return lines + _busy_line(result)
 
 
 def render_table(result):

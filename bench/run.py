@@ -77,6 +77,11 @@ def parse_args(argv=None):
     p.add_argument("--pg-database", default="durable_bench")
     p.add_argument("--json", default=str(ROOT / "bench" / "results" / "latest.json"))
     p.add_argument("--markdown", default=None, help="also write the tables as Markdown here")
+    p.add_argument("--quiet-wait", type=float, default=20.0,
+                   help="seconds to wait, before each measurement, for the machine to be idle "
+                        "(busy below --quiet-threshold); 0 to not wait")
+    p.add_argument("--quiet-threshold", type=float, default=0.25,
+                   help="share of all cores busy that counts as idle (default 0.25)")
     p.add_argument("--keep", action="store_true", help="keep the benchmark databases afterwards")
     p.add_argument("--profile", action="store_true",
                    help="instead of the figures: profile a 1-process drain on each database "
@@ -188,12 +193,21 @@ class Bench:
             raise RuntimeError(f"phase {name} failed:\n{proc.stderr[-3000:]}")
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
+    def quiet(self):
+        """Before a measurement: wait a while for other work on the machine to calm down."""
+        if self.args.quiet_wait <= 0:
+            self.busy_before = None
+            return
+        self.busy_before = machine.wait_for_quiet(self.args.quiet_threshold, self.args.quiet_wait)
+
     def record(self, figure, db, repeat, **fields):
-        rec = {"figure": figure, "database": db, "repeat": repeat, **fields}
+        rec = {"figure": figure, "database": db, "repeat": repeat, **fields,
+               "busy_before": getattr(self, "busy_before", None), "load1": os.getloadavg()[0]}
         self.records.append(rec)
         return rec
 
     def attempt(self, what, func, *args):
+        self.quiet()
         try:
             return func(*args)
         except Exception as exc:  # noqa: BLE001 - one failed figure must not lose the others
