@@ -278,13 +278,6 @@ class HttpDestination(Destination):
                 found.append(parts.password)
         # Longest first, so a secret containing another is removed whole.
         self._secrets = sorted(set(found), key=len, reverse=True)
-        total = sum(self.timeout)
-        if total >= float(durable_settings.LEASE_SECONDS):
-            raise ImproperlyConfigured(
-                f"Destination {self.name!r}: its timeouts {self.timeout} add up to "
-                f"{total}s, not below DURABLE['LEASE_SECONDS'] ({durable_settings.LEASE_SECONDS}s)."
-                " A send longer than the dispatcher's lease could be taken over mid-flight."
-            )
 
     @property
     def supports_lookup(self):

@@ -568,8 +568,13 @@ class Dispatcher:
                     return
                 if not self._approved(ctx, outbox, job):
                     return
+            # A fresh lease for the send, long enough to outlast the destination's own
+            # timeouts: a send still in flight must never look abandoned to another
+            # dispatcher (it would reconcile, perhaps resend, while this one waits).
+            until = locking.now_plus(self._send_lease(ctx.destination))
             fields = {"status": OutboxStatus.ATTEMPTED, "attempts": F("attempts") + 1,
-                      "sent_at": Now(), "version": F("version") + 1, "updated": Now()}
+                      "sent_at": Now(), "version": F("version") + 1, "updated": Now(),
+                      "lease_until": until, "next_attempt_at": until}
             if not self._row(row).filter(status=previous).update(**fields):
                 return  # lease lost, or an operator settled it meanwhile
             row.attempts += 1
@@ -588,6 +593,14 @@ class Dispatcher:
                 f"the destination raised {type(exc).__name__}: {exc}"))
         faults.point("after_send_before_record")
         self._record(ctx, outcome, previous)
+
+    def _send_lease(self, destination):
+        timeout = getattr(destination, "timeout", None)
+        try:
+            bound = sum(timeout) if isinstance(timeout, (tuple, list)) else float(timeout or 0)
+        except (TypeError, ValueError):
+            bound = 0.0
+        return max(self.lease_seconds, bound + float(durable_settings.LEASE_MARGIN_SECONDS))
 
     def _approved(self, ctx, outbox, job):
         try:

@@ -389,9 +389,34 @@ def test_destinations_are_configured_by_name_with_clear_errors():
     with crm("http://127.0.0.1:1/actions", CLASS="no.such.Destination"), \
             pytest.raises(ImproperlyConfigured, match="cannot import no.such.Destination"):
         destinations.get("crm")
-    with crm("http://127.0.0.1:1/actions", TIMEOUT=(30, 40)), \
-            pytest.raises(ImproperlyConfigured, match="not below DURABLE\\['LEASE_SECONDS'\\]"):
+    with crm("http://127.0.0.1:1/actions", TIMEOUT="soon"), \
+            pytest.raises(ImproperlyConfigured, match="seconds or a \\(connect, read\\) pair"):
         destinations.get("crm")
+    with crm(""), pytest.raises(ImproperlyConfigured, match="needs a URL"):
+        destinations.get("crm")
+
+
+def test_a_send_holds_a_lease_longer_than_the_destinations_timeouts(run_worker_inline):
+    seen = {}
+
+    class Slow(destinations.Destination):
+        timeout = (3.05, 30.0)
+
+        def dispatch(self, request):
+            row = Outbox.objects.get(job_id=request.job_id)
+            seen["lease"] = (row.lease_until - db_now()).total_seconds()
+            return destinations.Outcome.succeeded("R-1")
+
+    destinations.register(Slow("slow"))
+    try:
+        durable.submit("ticket", "t1", {"destination": "slow"})
+        run_worker_inline()
+        Dispatcher(name="d", threads=1, lease_seconds=5).run_once()
+    finally:
+        destinations.registry.unregister("slow")
+
+    assert seen["lease"] > 33  # not the dispatcher's 5 seconds
+    assert action("t1").status == OutboxStatus.SUCCEEDED
 
 
 def test_the_http_session_is_one_per_process_and_never_retries_by_itself():
