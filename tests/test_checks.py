@@ -33,6 +33,17 @@ class Hangs(Destination):
         return Outcome.succeeded("x")
 
 
+class Broken(Destination):
+    """A destination whose capabilities cannot even be read."""
+
+    @property
+    def idempotent(self):
+        raise RuntimeError("the vault holding its key is unreachable")
+
+    def dispatch(self, request):
+        return Outcome.succeeded("x")
+
+
 class Careful(Destination):
     idempotent = True
     timeout = (1, 5)
@@ -60,9 +71,9 @@ def test_a_lookup_url_is_enough_of_a_story():
                                    "LOOKUP_URL": "http://127.0.0.1:9/actions/lookup?key={key}"}) == []
 
 
-def test_a_destination_that_cannot_be_built_is_an_error_naming_it():
+def test_a_destination_that_cannot_be_built_is_a_warning_naming_it():
     found = destination_checks(crm={"IDEMPOTENT": True})
-    assert ids(found) == ["durable.E010"]
+    assert ids(found) == ["durable.W013"]
     assert "'crm'" in found[0].msg
 
 
@@ -75,6 +86,16 @@ def test_a_custom_destination_without_a_timeout_is_warned_about():
         destinations.registry.unregister("hangs")
         destinations.registry.unregister("careful")
     assert [(m.id, m.obj) for m in found] == [("durable.W010", "hangs"), ("durable.W011", "hangs")]
+
+
+def test_a_destination_that_raises_when_asked_is_reported_not_fatal():
+    destinations.register(Broken("broken"))
+    try:
+        found = destination_checks(only=["broken"])
+    finally:
+        destinations.registry.unregister("broken")
+    assert ids(found) == ["durable.W013"]
+    assert "vault" in found[0].msg
 
 
 # SQLite on a network file system -------------------------------------------------------
