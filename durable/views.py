@@ -855,7 +855,8 @@ def columns_chart(days, series, width=880, height=280, most=7):
     for i, s in enumerate(shown):
         s["color"] = PALETTE[i % len(PALETTE)] if not s["name"].startswith("other (") else "#bbb"
     totals = [sum((s["per_day"][i] for s in shown), Decimal(0)) for i in range(len(days))]
-    top = _nice_ceiling(max(totals, default=Decimal(0)))
+    # Four gridlines at round values: the step is round, the top is four steps.
+    top = _nice_ceiling(max(totals, default=Decimal(0)) / 4) * 4
     left, bottom, right, top_pad = 64, 28, 8, 10
     plot_w, plot_h = width - left - right, height - bottom - top_pad
     slot = plot_w / max(len(days), 1)
@@ -880,7 +881,8 @@ def columns_chart(days, series, width=880, height=280, most=7):
     ticks = []
     for n in range(5):
         value = top * n / 4
-        ticks.append({"value": value, "y": top_pad + plot_h - plot_h * n / 4})
+        ticks.append({"value": value, "label": f"{value.normalize():f}",
+                      "y": top_pad + plot_h - plot_h * n / 4})
     return {"width": width, "height": height, "left": left, "plot_w": plot_w,
             "baseline": top_pad + plot_h, "bar_w": bar_w, "columns": columns, "ticks": ticks,
             "series": shown, "label_y": height - 8, "axis_x": left - 6}
