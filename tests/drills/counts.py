@@ -240,6 +240,8 @@ def count(lab, drill, *, began, effects=None, extra=None):
     now = locking.db_now()
     jobs = {j["id"]: j for j in Job.objects.values("id", "workflow", "state", "lease_until")}
     workflows = {}
+    scheduled = set(Outbox.objects.filter(next_attempt_at__isnull=False)
+                    .values_list("job_id", flat=True))
     for key in lab.submitted:
         job = jobs.get(key)
         if job is None:
@@ -251,7 +253,7 @@ def count(lab, drill, *, began, effects=None, extra=None):
         kind = kinds.get(job["state"])
         if kind == StateKind.TERMINAL:
             continue
-        if kind in lab_module.SETTLED_KINDS:
+        if kind in lab_module.SETTLED_KINDS and key not in scheduled:
             row.parked += 1
             continue
         row.lost += 1

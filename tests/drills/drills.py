@@ -44,6 +44,7 @@ class Size:
     skew_jobs: int
     contention_jobs: int
     contention_workers: int
+    matrix_jobs: int  # jobs per cell of the receiver matrix
     settle_timeout: float
 
 
@@ -52,13 +53,13 @@ SIZES = {
         name="small", fault_jobs=4, random_jobs=0, random_probability=0.0, random_workers=2,
         storm_jobs=150, storm_workers=4, storm_kill_every=1.0, hold_jobs=2, terminate_jobs=80,
         terminate_every=0.5, terminate_rounds=8, restart_postgres=False, skew_jobs=10, contention_jobs=120,
-        contention_workers=4, settle_timeout=60,
+        contention_workers=4, matrix_jobs=2, settle_timeout=60,
     ),
     "release": Size(
         name="release", fault_jobs=20, random_jobs=4000, random_probability=0.02,
         random_workers=4, storm_jobs=10_000, storm_workers=8, storm_kill_every=3.0, hold_jobs=6,
         terminate_jobs=1500, terminate_every=1.0, terminate_rounds=120, restart_postgres=True, skew_jobs=100,
-        contention_jobs=2000, contention_workers=4, settle_timeout=300,
+        contention_jobs=2000, contention_workers=4, matrix_jobs=25, settle_timeout=300,
     ),
 }
 
@@ -472,3 +473,146 @@ def sqlite_contention(lab, size, transaction_mode="IMMEDIATE"):
 def locked_errors(row):
     return (row.extra["locked_in_workers"] + row.extra["locked_in_console"]
             + row.extra["jobs_failed_locked"])
+
+
+# 4. The receiver matrix, and the dispatcher's fault points -----------------------------
+
+ACTION_POINTS = ("after_mark_attempted", "after_send_before_record")
+# (mode of the receiver's first reply to each action, what it stands for)
+RECEIVER_MODES = (
+    ("hang_before_acting", "no reply"),
+    ("drop_after_acting", "reply lost after acting"),
+    ("error_after_acting", "500 after acting"),
+    ("slow_after_acting", "reply slower than our timeout"),
+)
+READ_TIMEOUT = 1.0
+
+
+def receiver_env(receiver, read_timeout=READ_TIMEOUT):
+    """Point the ``test_receiver`` destination of worker processes at ``receiver``."""
+    return {
+        "DURABLE_TEST_RECEIVER_URL": receiver.url,
+        "DURABLE_TEST_RECEIVER_IDEMPOTENT": "1" if receiver.idempotent else "0",
+        "DURABLE_TEST_RECEIVER_LOOKUP": "1" if receiver.lookup else "0",
+        "DURABLE_TEST_RECEIVER_READ_TIMEOUT": str(read_timeout),
+    }
+
+
+def _effects(receiver, keys=None):
+    """(job, kind) of every action the receiver applied (the ticket's customer is its job)."""
+    out = []
+    for action in receiver.actions:
+        job = (action.get("body") or {}).get("values", action.get("body") or {}).get("customer")
+        if keys is None or job in keys:
+            out.append((job, "create_ticket"))
+    return out
+
+
+def _posts_per_key(receiver, keys):
+    from collections import Counter
+
+    from durable.models import Outbox
+
+    wanted = set(Outbox.objects.filter(job_id__in=keys).values_list("idempotency_key", flat=True))
+    return Counter(e["key"] for e in receiver.log
+                   if e["method"] == "POST" and e["path"].startswith("/actions") and e["key"] in wanted)
+
+
+def action_fault_once(lab, point, size):
+    """SIGKILL the dispatcher at ``point`` while it sends ticket actions; settle and count."""
+    from durable.testing import Receiver
+
+    began = time.monotonic()
+    with Receiver(idempotent=True, lookup=True) as receiver:
+        env = receiver_env(receiver)
+        keys = [f"{point.replace('_', '-')}-{i:05d}" for i in range(size.fault_jobs)]
+        for key in keys:
+            durable.submit("ticket", key, {"customer": key})
+        lab.submitted.extend(keys)
+        proc = lab.runworkers(1, fault=f"{point}@1", env=env)
+        _wait(lambda: sigkill_deaths(lab.output(proc), False) or lab.unsettled() == 0, 30)
+        fired = bool(sigkill_deaths(lab.output(proc), False))
+        lab.stop(proc)
+        settled = lab.settle(size.settle_timeout, env=env)
+        row = count(lab, f"fault {point}", began=began, effects=_effects(receiver, set(keys)))
+        row.extra["fired"] = fired
+        row.extra["receiver_posts"] = sum(_posts_per_key(receiver, keys).values())
+    if not fired:
+        row.notes.append(f"the fault point {point} was never reached")
+    if not settled:
+        row.notes.append("the quiet period ended with unsettled jobs")
+    return row
+
+
+def receiver_matrix(lab, size):
+    """Idempotent or not x lookup or not x four ambiguous replies: count effects and resends.
+
+    Four receivers run side by side, one per destination of the matrix, served by one
+    runworkers; the modes run one after another, each spoiling the first send of
+    every job of that round.
+    """
+    import copy
+
+    from durable.models import Outbox, OutboxStatus
+    from durable.testing import Receiver
+    from tests.testapp.drill_workflows import MATRIX
+
+    began = time.monotonic()
+    receivers = {name: Receiver(idempotent=i, lookup=lk).start()
+                 for name, (i, lk) in MATRIX.items()}
+    env = {f"DURABLE_DRILL_RECEIVER_{name.upper()}": r.url for name, r in receivers.items()}
+    proc = lab.runworkers(2, env=env)
+    rows = []
+    try:
+        cells = {}
+        for mode, _ in RECEIVER_MODES:
+            round_keys = []
+            for name, receiver in receivers.items():
+                keys = [f"matrix-{name}-{mode}-{i:03d}".replace("_", "-")
+                        for i in range(size.matrix_jobs)]
+                receiver.behave(mode, times=size.matrix_jobs, delay=READ_TIMEOUT * 2)
+                for key in keys:
+                    durable.submit("ticket", key, {"customer": key, "destination": name})
+                cells[(name, mode)] = keys
+                round_keys.extend(keys)
+            _wait(lambda keys=round_keys: lab.unsettled_among(keys) == 0, 60, 0.1)
+        lab.stop(proc)
+        lab.submitted = [k for keys in cells.values() for k in keys]
+        lab.settle(size.settle_timeout, env=env)
+        for (name, mode), keys in cells.items():
+            receiver = receivers[name]
+            idem, look = MATRIX[name]
+            cell = copy.copy(lab)
+            cell.submitted = keys
+            label = (f"receiver {'idempotent' if idem else 'plain'}{' + lookup' if look else ''}:"
+                     f" {dict(RECEIVER_MODES)[mode]}")
+            effects = _effects(receiver, set(keys))
+            row = count(cell, label, began=began, effects=effects)
+            posts = _posts_per_key(receiver, keys)
+            queue = Outbox.objects.filter(job_id__in=keys, status=OutboxStatus.UNKNOWN,
+                                          next_attempt_at=None).count()
+            row.extra.update(
+                applied=len(effects), resends=sum(n - 1 for n in posts.values() if n > 1),
+                reconciliation_queue=queue, done=lab.done(keys), blind=not (idem or look),
+            )
+            rows.append(row)
+    finally:
+        for receiver in receivers.values():
+            receiver.stop()
+    return rows
+
+
+def matrix_problems(row):
+    """What a receiver-matrix row must show beyond the common targets."""
+    out = []
+    if row.extra["blind"]:
+        # Neither idempotency nor lookup: never resend, every job waits for a person.
+        if row.extra["resends"]:
+            out.append(f"{row.extra['resends']} automatic resends to a receiver without "
+                       "idempotency or lookup")
+        if row.extra["reconciliation_queue"] != row.jobs:
+            out.append(f"only {row.extra['reconciliation_queue']} of {row.jobs} ambiguous sends "
+                       "reached the reconciliation queue")
+    elif row.extra["done"] != row.jobs:
+        out.append(f"only {row.extra['done']} of {row.jobs} jobs settled automatically")
+    return out

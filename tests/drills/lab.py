@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 
 from django.db import connection
-from django.db.models import Q
+from django.db.models import Exists, OuterRef, Q
 
 import durable
-from durable.models import Job
+from durable.models import Job, Outbox
 from durable.states import StateKind
 from durable.workflows import registry
 
@@ -91,12 +91,17 @@ def children(pid):
 
 
 def settled_filter():
-    """Jobs that are terminal or visibly waiting for a person, for every workflow."""
+    """Jobs that are terminal or visibly waiting for a person, for every workflow.
+
+    A job whose action still has an attempt or lookup scheduled is not settled, even in
+    an "unknown result" state: the dispatcher, not a person, owns its next move.
+    """
     q = Q(pk__in=[])
     for wf in registry.all():
         states = wf.table.states_of_kind(*SETTLED_KINDS)
         q |= Q(workflow=wf.name, state__in=states)
-    return q
+    scheduled = Outbox.objects.filter(job=OuterRef("pk"), next_attempt_at__isnull=False)
+    return q & ~Exists(scheduled)
 
 
 class Lab:
@@ -267,9 +272,12 @@ class Lab:
                 dead.add(proc.pid)
         return dead
 
-    def settle(self, timeout=60, processes=2):
+    def unsettled_among(self, keys):
+        return Job.objects.filter(pk__in=keys).exclude(settled_filter()).count()
+
+    def settle(self, timeout=60, processes=2, env=None):
         """The quiet period: clean workers run until every job is settled; True if all were."""
-        proc = self.runworkers(processes)
+        proc = self.runworkers(processes, env=env)
         try:
             return self.wait_settled(timeout, proc)
         finally:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 DRILLS = [
-    "faults", "random", "storm", "paused", "terminate", "restart", "skew", "busy", "busy-deferred",
+    "faults", "matrix", "random", "storm", "paused", "terminate", "restart", "skew", "busy", "busy-deferred",
 ]
 
 
@@ -28,7 +28,13 @@ def plan(size, database, only, restart):
     if "faults" in only:
         for point in d.wired_points():
             if point in d.JOB_POINTS:
-                steps.append((f"faults:{point}", lambda lab, p=point: [d.fault_point_once(lab, p, size)]))
+                steps.append((f"faults:{point}",
+                              lambda lab, p=point: [d.fault_point_once(lab, p, size)]))
+            elif point in d.ACTION_POINTS:
+                steps.append((f"faults:{point}",
+                              lambda lab, p=point: [d.action_fault_once(lab, p, size)]))
+    if "matrix" in only:
+        steps.append(("matrix", lambda lab: d.receiver_matrix(lab, size)))
     if "random" in only and size.random_jobs:
         steps.append(("random", lambda lab: [d.random_fault_kills(lab, size)]))
     if "storm" in only:
@@ -115,7 +121,8 @@ def main(argv=None):
     print(table(rows))
     status = 0
     for row in rows:
-        problems = row.problems(parked_ok=False)
+        # Only the blind receiver's ambiguous sends are meant to wait for a person.
+        problems = row.problems(parked_ok=bool(row.extra.get("blind")))
         figures = ", ".join(f"{k}={v}" for k, v in row.extra.items())
         print(f"- {row.drill}: {figures}")
         for note in row.notes:
@@ -135,9 +142,11 @@ def main(argv=None):
 
 def _drill_specific(row):
     """Targets beyond the common columns."""
-    from .drills import locked_errors
+    from .drills import locked_errors, matrix_problems
 
     out = []
+    if row.drill.startswith("receiver "):
+        out.extend(matrix_problems(row))
     if row.drill.startswith("fault ") and not row.extra.get("fired"):
         out.append("the fault point never fired")
     if row.drill == "sqlite busy (immediate)" and locked_errors(row):

@@ -18,6 +18,7 @@ import os
 import time
 
 from durable import Retry, Workflow, faults, step
+from durable.destinations import Destination, HttpDestination, register
 
 # Kills during a drill hit a step again and again; a real poison job would fail after
 # the default attempts, but a drill must see every job through to count it.
@@ -102,3 +103,53 @@ class DrillHold(Workflow):
     @step(retry=DRILL_RETRY, timeout=120)
     def d(self, data, ctx):
         return body(ctx, data)
+
+
+# The receiver matrix: four destinations side by side, one per kind of receiver. Each
+# reads its receiver's URL from DURABLE_DRILL_RECEIVER_<NAME> (set on the workers by
+# the drill), so one runworkers process serves every cell with the right client.
+
+MATRIX_READ_TIMEOUT = 1.0
+
+
+class DrillReceiver(Destination):
+    """An HttpDestination for a drill receiver named in the environment."""
+
+    def __init__(self, name, *, idempotent, lookup):
+        super().__init__(name)
+        self.idempotent = idempotent
+        self._lookup = lookup
+        self._built = (None, None)
+
+    @property
+    def supports_lookup(self):
+        return self._lookup
+
+    def current(self):
+        url = os.environ.get(f"DURABLE_DRILL_RECEIVER_{self.name.upper()}", "http://127.0.0.1:9")
+        if self._built[0] != url:
+            self._built = (url, HttpDestination(
+                self.name, url=f"{url}/actions", idempotent=self.idempotent,
+                lookup_url=f"{url}/actions/lookup?key={{key}}" if self._lookup else None,
+                timeout=(1.0, MATRIX_READ_TIMEOUT),
+            ))
+        return self._built[1]
+
+    def dispatch(self, request):
+        return self.current().dispatch(request)
+
+    def lookup(self, request):
+        return self.current().lookup(request)
+
+    def redact(self, text):
+        return self.current().redact(text)
+
+
+MATRIX = {
+    "drill_idem_lookup": (True, True),
+    "drill_idem": (True, False),
+    "drill_plain_lookup": (False, True),
+    "drill_plain": (False, False),
+}
+for _name, (_idempotent, _lookup) in MATRIX.items():
+    register(DrillReceiver(_name, idempotent=_idempotent, lookup=_lookup))
