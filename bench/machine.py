@@ -100,3 +100,24 @@ def wait_for_quiet(threshold, max_wait):
     while busy is not None and busy > threshold and time.monotonic() < deadline:
         busy = busy_fraction()
     return busy
+
+
+def fsync_ms(directory, count=20):
+    """Median time of a 4 KiB write + fdatasync in ``directory``: how slow the disk is right now."""
+    import statistics
+    import time
+
+    path = Path(directory) / ".fsync-probe"
+    times = []
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        block = b"x" * 4096
+        for i in range(count):
+            os.pwrite(fd, block, (i % 16) * 4096)
+            began = time.perf_counter()
+            os.fdatasync(fd)
+            times.append((time.perf_counter() - began) * 1000)
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+    return statistics.median(times)

@@ -150,8 +150,13 @@ def _busy_line(result):
     if not busy:
         return []
     s = stats(busy)
-    return [f"machine busy (other work) just before each measurement: median {s['median']:.0%}, "
-            f"max {s['max']:.0%} of all cores"]
+    lines = [f"machine busy (other work) just before each measurement: median {s['median']:.0%}, "
+             f"max {s['max']:.0%} of all cores"]
+    fsync = stats([r.get("fsync_ms_before") for r in result["records"]])
+    if fsync:
+        lines.append(f"4 KiB write + fdatasync just before each measurement: median "
+                     f"{fsync['median']:.2f} ms ({fsync['min']:.2f}–{fsync['max']:.2f})")
+    return lines
 
 
 def _machine_lines(result):

@@ -195,14 +195,16 @@ class Bench:
 
     def quiet(self):
         """Before a measurement: wait a while for other work on the machine to calm down."""
-        if self.args.quiet_wait <= 0:
-            self.busy_before = None
-            return
-        self.busy_before = machine.wait_for_quiet(self.args.quiet_threshold, self.args.quiet_wait)
+        self.busy_before = None
+        if self.args.quiet_wait > 0:
+            self.busy_before = machine.wait_for_quiet(self.args.quiet_threshold,
+                                                      self.args.quiet_wait)
+        self.fsync_before = machine.fsync_ms(self.tmp)
 
     def record(self, figure, db, repeat, **fields):
         rec = {"figure": figure, "database": db, "repeat": repeat, **fields,
-               "busy_before": getattr(self, "busy_before", None), "load1": os.getloadavg()[0]}
+               "busy_before": getattr(self, "busy_before", None),
+               "fsync_ms_before": getattr(self, "fsync_before", None), "load1": os.getloadavg()[0]}
         self.records.append(rec)
         return rec
 
