@@ -96,9 +96,24 @@ STATIC_URL = "static/"
 STATIC_ROOT = BASE_DIR / "staticfiles"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
+# The demo's CRM (``manage.py demo`` starts it on 127.0.0.1 and sets DEMO_CRM_URL).
+DEMO_CRM_URL = env("DEMO_CRM_URL", default="http://127.0.0.1:8702")
+
 DURABLE = {
     "LEASE_SECONDS": env.float("DURABLE_LEASE_SECONDS", default=60),
     "STEP_TIMEOUT": env.float("DURABLE_STEP_TIMEOUT", default=30),
+    "METRICS_TOKEN": env("DURABLE_METRICS_TOKEN", default=None),
+    "DESTINATIONS": {
+        # It deduplicates idempotency keys and can look a request up by its key, so an
+        # action whose reply was lost settles itself without an operator.
+        "crm": {
+            "CLASS": "durable.destinations.HttpDestination",
+            "URL": f"{DEMO_CRM_URL}/actions",
+            "IDEMPOTENT": True,
+            "LOOKUP_URL": f"{DEMO_CRM_URL}/actions/lookup?key={{key}}",
+            "TIMEOUT": (1.0, 3.0),
+        },
+    },
 }
 
 # Plain @task functions (Django 6's django.tasks, or the django-tasks backport on
