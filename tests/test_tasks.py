@@ -532,8 +532,11 @@ def test_a_task_whose_worker_is_sigkilled_is_not_left_running_forever(workers, t
     log = tmp_path / "task.log"
     result = slow_first_attempt.enqueue(str(log))
     first = workers.start(DURABLE_LEASE_SECONDS=2)
-    wait_for(lambda: any(line.startswith("start 1") for line in lines(log)),
-             message="the task to start")
+    try:
+        wait_for(lambda: any(line.startswith("start 1") for line in lines(log)),
+                 message="the task to start")
+    except AssertionError:
+        raise AssertionError(workers.output(first)[-3000:]) from None
     workers.kill(first)
     assert slow_first_attempt.get_result(result.id).status == TaskResultStatus.RUNNING
     workers.start(DURABLE_LEASE_SECONDS=2)
