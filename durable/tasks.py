@@ -184,8 +184,13 @@ def _decide(exc, task, backend, ctx, max_attempts):
     logger.warning("task %s job=%s attempt %d raised:\n%s", task.module_path, ctx.job_id,
                    ctx.attempt, "".join(traceback.format_exception(exc)).rstrip())
     message = f"{_class_path(type(exc))}: {exc}" if str(exc) else _class_path(type(exc))
+    # The backoff sees the result as this attempt left it: failed, with its error.
+    result = _build_result(ctx.job_id, task=task)
+    result.errors.append(TaskError(exception_class_path=f"{type(exc).__module__}."
+                                   f"{type(exc).__qualname__}", traceback=message))
+    object.__setattr__(result, "status", TaskResultStatus.FAILED)
     backoff = _backoff(task, backend)
-    delay = backoff(exc, _build_result(ctx.job_id, task=task)) if backoff else None
+    delay = backoff(exc, result) if backoff else None
     if delay is None:
         return TaskFailed(message)
     if ctx.attempt >= max_attempts:

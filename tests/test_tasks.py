@@ -53,6 +53,16 @@ def no_wait(exception, task_result):
     return 0
 
 
+SEEN_BY_BACKOFF = []
+
+
+def recording_backoff(exception, task_result):
+    """Note what the backoff is shown, then stop after the second attempt."""
+    SEEN_BY_BACKOFF.append((type(exception), task_result.status, task_result.attempts,
+                            [e.exception_class for e in task_result.errors]))
+    return 0 if task_result.attempts < 2 else None
+
+
 @task
 def add(a, b):
     return a + b
@@ -115,6 +125,11 @@ def slow_first_attempt(context, log):
 
         time.sleep(60)
     return context.attempt
+
+
+@task(max_attempts=5, backoff=recording_backoff)
+def watched():
+    raise ConnectionError("down")
 
 
 @task
@@ -421,6 +436,17 @@ def test_the_backends_max_attempts_and_backoff_apply_to_tasks_without_their_own(
     with override_settings(TASKS=tasks):
         result = finish(down.enqueue())
         assert result.status == TaskResultStatus.FAILED and result.attempts == 4
+
+
+@pytest.mark.django_db
+def test_the_backoff_sees_the_exception_and_the_result_as_the_attempt_left_it(finish):
+    SEEN_BY_BACKOFF.clear()
+    result = finish(watched.enqueue())
+    assert SEEN_BY_BACKOFF == [
+        (ConnectionError, TaskResultStatus.FAILED, 1, [ConnectionError]),
+        (ConnectionError, TaskResultStatus.FAILED, 2, [ConnectionError, ConnectionError]),
+    ]
+    assert result.status == TaskResultStatus.FAILED and result.attempts == 2
 
 
 @pytest.mark.django_db
