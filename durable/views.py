@@ -585,6 +585,7 @@ def _available_verbs(job, definition, user, lease):
     return [VERBS[v] for v in found if user.has_perm(VERBS[v].permission)]
 
 
+@xframe_options_deny
 def job_detail(request, model_admin, object_id):
     admin_site = model_admin.admin_site
     job = get_object_or_404(Job, pk=unquote(object_id))

@@ -252,3 +252,20 @@ def test_the_approval_page_in_the_console(console, receivers, run_worker_inline,
 
     assert approval.summary in page.locator("#proposal-summary").inner_text()
     shots(page, "approval")
+
+
+def test_auto_refresh_pauses_while_the_tab_is_hidden(busy, console):
+    page = console
+    page.locator("#durable-autorefresh").check()
+
+    page.evaluate("""() => {
+        Object.defineProperty(document, "hidden", {configurable: true, get: () => true});
+        document.dispatchEvent(new Event("visibilitychange"));
+    }""")
+
+    assert page.locator("#durable-refresh-state").inner_text() == "paused while this tab is hidden"
+    page.evaluate("""() => {
+        Object.defineProperty(document, "hidden", {configurable: true, get: () => false});
+        document.dispatchEvent(new Event("visibilitychange"));
+    }""")
+    assert page.locator("#durable-refresh-state").inner_text() == ""

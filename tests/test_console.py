@@ -702,3 +702,7 @@ def test_the_durable_app_index_leads_to_the_console(viewer):
     html = viewer.get(reverse("admin:app_list", args=["durable"])).content.decode()
 
     assert url("durable_dashboard") in html and url("durable_costs") in html
+
+
+def test_the_job_page_refuses_to_be_framed(viewer, scene):
+    assert viewer.get(job_page("bad0"))["X-Frame-Options"] == "DENY"
