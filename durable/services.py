@@ -7,6 +7,7 @@ who did it and why in JobEvent (and Django's admin log when a user is given).
 import datetime
 import hashlib
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -24,12 +25,24 @@ from .retry import describe
 from .states import CANCELLED, StateKind
 from .workflows import Action, Context, NeedsHuman, Output, Wait, registry
 
+# A NUL escape json.dumps wrote, not the text "\\u0000" a user wrote (its backslash doubled).
+_NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+
 
 def _normalise_payload(payload):
     try:
         text = json.dumps(payload, cls=DjangoJSONEncoder, sort_keys=True, allow_nan=False)
+    except RecursionError:
+        raise PayloadInvalid("The payload is nested too deeply to be stored as JSON") from None
     except (TypeError, ValueError) as exc:
         raise PayloadInvalid(f"The payload is not JSON-serialisable: {exc}") from None
+    # PostgreSQL cannot store U+0000 or a lone surrogate in JSON; SQLite can. Refuse them
+    # everywhere, so a payload accepted in development does not fail in production.
+    if "\\u0000" in text and _NUL_ESCAPE.search(text):
+        raise PayloadInvalid("The payload contains a NUL character (U+0000), which cannot be stored")
+    if "\\ud" in text and not _is_unicode(json.dumps(payload, cls=DjangoJSONEncoder,
+                                                      ensure_ascii=False)):
+        raise PayloadInvalid("The payload contains a lone UTF-16 surrogate, which is not Unicode")
     limit = durable_settings.MAX_PAYLOAD_BYTES
     if len(text.encode()) > limit:
         raise PayloadInvalid(
@@ -37,6 +50,14 @@ def _normalise_payload(payload):
             " (DURABLE['MAX_PAYLOAD_BYTES'])"
         )
     return json.loads(text)
+
+
+def _is_unicode(text):
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def submit(workflow, key, payload, *, run_after=None, queue="default", submitted_by=""):
@@ -49,6 +70,8 @@ def submit(workflow, key, payload, *, run_after=None, queue="default", submitted
     definition = registry.get(workflow)
     if not isinstance(key, str) or not key or len(key) > 255:
         raise PayloadInvalid("The key must be a non-empty string of at most 255 characters")
+    if "\x00" in key or not _is_unicode(key):
+        raise PayloadInvalid("The key contains a NUL character or a lone surrogate")
     payload = _normalise_payload(payload)
     try:
         with transaction.atomic():
