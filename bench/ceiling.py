@@ -192,18 +192,24 @@ def _schema_setup_pg(url, processes):
         conn.execute("VACUUM ANALYZE durable_job")
 
 
-def _schema_params(job, count, state, nxt, stamp):
+def _schema_params(job, count, state, nxt, stamp, events=2):
     data = '{"attempt": 1}'
-    return (
-        (nxt, job, state),
-        (job, f"s{count}", stamp),
-        (job, stamp, state, f"{nxt}x", f"s{count}", data, job, stamp, f"{nxt}x", nxt, f"s{count}",
-         data),
-    )
+    if events == 1:
+        event = (job, stamp, state, nxt, f"s{count}", data)
+    else:
+        event = (job, stamp, state, f"{nxt}x", f"s{count}", data, job, stamp, f"{nxt}x", nxt,
+                 f"s{count}", data)
+    return (nxt, job, state), (job, f"s{count}", stamp), event
 
 
-def _loop_schema_sqlite(path, synchronous, index, start, seconds, out):
+def _event_sql(sql, events):
+    """The event INSERT with one row instead of two."""
+    return sql if events == 2 else sql[: sql.index("),") + 1]
+
+
+def _loop_schema_sqlite(path, synchronous, events, index, start, seconds, out):
     conn = _sqlite_connect(path, synchronous)
+    event_sql = _event_sql(_SQLITE_STEP[2], events)
     states = {}
     count = 0
     start.wait()
@@ -215,13 +221,13 @@ def _loop_schema_sqlite(path, synchronous, index, start, seconds, out):
         state = states.get(job, "a")
         nxt = "b" if state == "a" else "a"
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-        params = _schema_params(job, count, state, nxt, stamp)
+        params = _schema_params(job, count, state, nxt, stamp, events)
         conn.execute("BEGIN IMMEDIATE")
         cur = conn.execute(_SQLITE_STEP[0], params[0])
         if cur.rowcount != 1:
             raise RuntimeError("compare-and-swap matched nothing")
         conn.execute(_SQLITE_STEP[1], params[1])
-        conn.execute(_SQLITE_STEP[2], params[2])
+        conn.execute(event_sql, params[2])
         conn.execute("COMMIT")
         states[job] = nxt
         count += 1
@@ -229,10 +235,11 @@ def _loop_schema_sqlite(path, synchronous, index, start, seconds, out):
     conn.close()
 
 
-def _loop_schema_pg(url, index, start, seconds, out):
+def _loop_schema_pg(url, events, index, start, seconds, out):
     import psycopg
 
     conn = psycopg.connect(url)
+    event_sql = _event_sql(_PG_STEP[2], events)
     states = {}
     count = 0
     start.wait()
@@ -245,12 +252,12 @@ def _loop_schema_pg(url, index, start, seconds, out):
             state = states.get(job, "a")
             nxt = "b" if state == "a" else "a"
             stamp = time.strftime("%Y-%m-%d %H:%M:%S+00")
-            params = _schema_params(job, count, state, nxt, stamp)
+            params = _schema_params(job, count, state, nxt, stamp, events)
             cur.execute(_PG_STEP[0], params[0])
             if cur.rowcount != 1:
                 raise RuntimeError("compare-and-swap matched nothing")
             cur.execute(_PG_STEP[1], params[1])
-            cur.execute(_PG_STEP[2], params[2])
+            cur.execute(event_sql, params[2])
             conn.commit()
             states[job] = nxt
             count += 1
@@ -259,7 +266,7 @@ def _loop_schema_pg(url, index, start, seconds, out):
 
 
 def measure(kind, processes, seconds, *, sqlite_path=None, synchronous="FULL", pg_url=None,
-            shape="minimal"):
+            shape="minimal", events=2):
     """Commit a transaction shape from ``processes`` processes for ``seconds``; return rates.
 
     ``shape="minimal"``: one insert, one update, commit, on two small tables.
@@ -271,13 +278,13 @@ def measure(kind, processes, seconds, *, sqlite_path=None, synchronous="FULL", p
         target, args = _loop_sqlite, (sqlite_path, synchronous)
     elif kind == "sqlite":
         _schema_setup_sqlite(sqlite_path, synchronous, processes)
-        target, args = _loop_schema_sqlite, (sqlite_path, synchronous)
+        target, args = _loop_schema_sqlite, (sqlite_path, synchronous, events)
     elif shape == "minimal":
         _pg_setup(pg_url, processes)
         target, args = _loop_pg, (pg_url,)
     else:
         _schema_setup_pg(pg_url, processes)
-        target, args = _loop_schema_pg, (pg_url,)
+        target, args = _loop_schema_pg, (pg_url, events)
     ctx = multiprocessing.get_context("fork")
     start, out = ctx.Event(), ctx.Queue()
     procs = [ctx.Process(target=target, args=(*args, i, start, seconds, out)) for i in range(processes)]
