@@ -129,6 +129,7 @@ def rows(result):
                 claim_rows.append([db, f"{size:,}", _fmt(v)])
     out.append(("Claim + commit with finished jobs in the table (µs per claim)",
                 ["database", "finished jobs", "µs"], claim_rows))
+    out.append(("Targets", ["target", "measured (median)", "verdict"], targets(result)))
     if s["actions"]:
         out.append(("Actions through the dispatcher to a local receiver", ["database", "actions/s"],
                     [[k, _fmt(v["actions_per_s"])] for k, v in s["actions"].items()]))
@@ -157,6 +158,43 @@ def _busy_line(result):
         lines.append(f"4 KiB write + fdatasync just before each measurement: median "
                      f"{fsync['median']:.2f} ms ({fsync['min']:.2f}–{fsync['max']:.2f})")
     return lines
+
+
+def targets(result):
+    """Each target of the issue beside the figure that decides it."""
+    s, out = result["summary"], []
+
+    def verdict(ok):
+        return "met" if ok else "NOT met"
+
+    for key, v in s["drain"].items():
+        db, p = key.rsplit(" p=", 1)
+        if p in ("1", "4") and db in ("sqlite-full", "postgres") and v["ratio_to_ceiling"]:
+            r = v["ratio_to_ceiling"]["median"]
+            out.append([f"steps/s ≥ 0.5 × ceiling, {key}", f"× {r:.2f}", verdict(r >= TARGETS["ratio"])])
+    for key, v in s["latency"].items():
+        db = key.split(" ")[0]
+        limit = TARGETS["latency_p50_ms"]["postgres" if db == "postgres" else "sqlite"]
+        if v["p50_ms"] and db in ("sqlite-full", "postgres"):
+            a, b = v["p50_ms"]["median"], v["p50_from_commit_ms"]["median"]
+            out.append([f"submit-to-start p50 < {limit:g} ms, {key}",
+                        f"{a:.1f} ms from the call, {b:.1f} ms from the commit",
+                        verdict(a < limit) if (a < limit) == (b < limit)
+                        else f"{verdict(a < limit)} from the call, {verdict(b < limit)} from the commit"])
+    for db, sizes in s["claim"].items():
+        g = sizes.get("growth")
+        if g:
+            out.append([f"claim at {g['to']:,} within 1.5 × of {g['from']:,}, {db}",
+                        f"× {g['ratio']:.2f}", verdict(g["ratio"] <= TARGETS["claim_growth"])])
+    for db, v in s["rss"].items():
+        if "growth_mb_per_10k_steps_second_half" in v:
+            slope = v["growth_mb_per_10k_steps_second_half"]
+            # Flat: less than 1 MB over the whole second half of the run.
+            half = v["steps"] / 2 / 10_000
+            out.append([f"worker RSS flat over {v['steps']:,} steps, {db}",
+                        f"{v['rss_mb_at_10pct']:.1f} → {v['rss_mb_end']:.1f} MB, "
+                        f"{slope:+.2f} MB / 10k steps", verdict(abs(slope * half) < 1.0)])
+    return out
 
 
 def _machine_lines(result):
