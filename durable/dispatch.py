@@ -470,7 +470,7 @@ class Dispatcher:
                 if self._stopping:
                     self._release(rows[index:])
                     break
-                self.process(row)
+                self._settle(row)
         else:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="durable-dispatch")
@@ -479,10 +479,20 @@ class Dispatcher:
         self.processed += len(rows)
         return len(rows)
 
+    def _settle(self, row):
+        try:
+            self.process(row)
+        except (DatabaseError, InterfaceError):
+            raise
+        except Exception:  # noqa: BLE001 - one broken row must not stop the others
+            # The row keeps its lease and is claimed again when it expires; a row
+            # marked attempted is then reconciled, never resent blindly.
+            logger.exception("%s action=%s could not be settled", self.name, row.id)
+
     def _process_in_thread(self, row):
         close_old_connections()
         try:
-            self.process(row)
+            self._settle(row)
         except (DatabaseError, InterfaceError) as exc:
             # This row's lease expires and another claim picks it up; nothing is lost.
             logger.warning("%s action=%s database error: %s", self.name, row.id, exc)
@@ -613,12 +623,14 @@ class Dispatcher:
     def _not_ours(self, ctx):
         """The job is not waiting for this action (cancelled, sent back): do not send."""
         row, job = ctx.row, ctx.job
+        withdrawn = 0
         if job.state == CANCELLED or ctx.table.is_terminal(job.state):
-            self._row(row).filter(status=OutboxStatus.PENDING).update(
+            withdrawn = self._row(row).filter(status=OutboxStatus.PENDING).update(
                 status=OutboxStatus.CANCELLED, next_attempt_at=None, lease_until=None,
                 lease_owner=None, last_error=f"not sent: the job is {job.state}",
                 version=F("version") + 1, updated=Now())
-        else:
+        if not withdrawn:
+            # Not ours to send now (an unknown one stays unknown, for people to see).
             self._row(row).update(next_attempt_at=None, lease_until=None, lease_owner=None)
         logger.info("%s action=%s job=%s is %s: not sent", self.name, row.id, job.pk, job.state)
 

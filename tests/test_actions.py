@@ -452,3 +452,36 @@ def test_secrets_never_reach_last_error_events_or_logs(receiver, drive, caplog, 
     text = "\n".join(stored + logged)
     for secret in SECRETS:
         assert secret not in text  # ...but never a secret
+
+
+def test_an_unknown_action_of_a_cancelled_job_is_looked_up_but_never_resent(receivers, drive):
+    receiver = receivers(idempotent=False)
+    receiver.behave("server_error", times=1)  # not applied, but the caller cannot know
+    durable.submit("ticket", "t1", {})
+    drive(in_state("t1", "unknown_create_ticket"))
+    services.cancel("t1", user="ops", reason="customer withdrew")
+    drive(lambda: action("t1").next_attempt_at is None)
+
+    assert len(posts(receiver)) == 1 and receiver.actions == []
+    assert action("t1").status == OutboxStatus.UNKNOWN  # still visible as such
+    assert job("t1").state == "cancelled"
+
+
+def test_a_destination_that_raises_leaves_the_action_unknown_not_lost(run_worker_inline):
+    class Broken(destinations.Destination):
+        def dispatch(self, request):
+            raise RuntimeError("socket closed mid-write; sent Authorization: Bearer abc123secret")
+
+    destinations.register(Broken("broken"))
+    try:
+        durable.submit("ticket", "t1", {"destination": "broken"})
+        run_worker_inline()
+        Dispatcher(name="d", threads=1).run_once()
+    finally:
+        destinations.registry.unregister("broken")
+
+    row = action("t1")
+    assert row.status == OutboxStatus.UNKNOWN and row.next_attempt_at is None
+    assert "the destination raised RuntimeError" in row.last_error
+    assert "abc123secret" not in row.last_error
+    assert job("t1").state == "unknown_create_ticket"
