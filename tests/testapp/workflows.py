@@ -131,6 +131,9 @@ class WaitUntil(Workflow):
             raise Wait(seconds=payload["seconds"])
         return {}
 
-from . import approval_workflows  # noqa: E402, F401 - registers the approval test workflows
-from . import drill_workflows  # noqa: E402, F401 - registers the crash drill workflows
-from . import actions_workflows  # noqa: E402, F401 - registers the action test workflows
+# Importing these modules registers their workflows.
+from . import (  # noqa: E402, F401
+    actions_workflows,
+    approval_workflows,
+    drill_workflows,
+)
