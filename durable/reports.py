@@ -32,7 +32,7 @@ from django.db.models.functions import TruncDate
 
 from . import locking
 from .conf import durable_settings
-from .models import Approval, CostRollup, Job, JobEvent, Outbox, Pause, StepResult
+from .models import Approval, CostRollup, EventKind, Job, JobEvent, Outbox, Pause, StepResult
 from .states import StateKind
 from .workflows import registry
 
@@ -228,7 +228,7 @@ def _states_at(moment, workflow=None):
     examined: those unfinished now, and those that moved since ``moment``; a job
     finished before ``moment`` was in a terminal state then, which is never stalled.
     """
-    movers = JobEvent.objects.filter(at__gt=moment).values("job_id")
+    movers = _events_since(moment).values("job_id")
     jobs = scoped(Job.objects.filter(created__lte=moment), workflow).filter(
         unfinished_q() | Q(pk__in=movers)
     )
@@ -246,10 +246,16 @@ def _states_at(moment, workflow=None):
     return result
 
 
+def _events_since(moment):
+    # Naming every kind lets the (kind, at) index serve a time window: without a
+    # condition on its first column the database would scan the whole history.
+    return JobEvent.objects.filter(kind__in=EventKind.values, at__gt=moment)
+
+
 def _finished_since(moment, workflow=None):
     """``{(workflow, terminal state): jobs that reached it after moment}``."""
     q = kind_q(StateKind.TERMINAL, workflow=workflow)
-    events = JobEvent.objects.filter(at__gt=moment, job__in=Job.objects.filter(q)).exclude(
+    events = _events_since(moment).filter(job__in=Job.objects.filter(q)).exclude(
         from_state=F("to_state")
     )
     rows = events.values("job__workflow", "to_state").annotate(n=Count("job_id", distinct=True))

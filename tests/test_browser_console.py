@@ -9,13 +9,14 @@ import os
 from pathlib import Path
 
 import pytest
+from django.db import transaction
 
 import durable
 from durable import locking
 from durable.models import Approval, ApprovalStatus, Job, JobEvent, OutboxStatus
 from tests.conftest import ROOT
 from tests.test_actions_support import action
-from tests.test_console_support import OPERATE, ago, make_job, make_memo, make_user
+from tests.test_console_support import OPERATE, ago, make_finished, make_job, make_user
 
 pytest_plugins = ["tests.test_actions_support"]
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
@@ -57,7 +58,11 @@ def console(page, live_server):
 @pytest.fixture
 def busy(db):
     """A day of a document pipeline: a stage that stalled, failures, a stuck job, costs."""
-    now = locking.db_now()
+    with transaction.atomic():  # one commit, not one per row: the live server reads it after
+        return _busy(locking.db_now())
+
+
+def _busy(now):
     for i in range(9):
         make_job(f"doc-{100 + i}", "pending", age=5 + i * 4, now=now,
                  history=[("", "pending", 5 + i * 4)])
@@ -82,16 +87,12 @@ def busy(db):
         make_job(f"doc-{520 + i}", "failed_extract", age=900 + i * 100, now=now,
                  last_error="TimeoutError: the model did not answer within 20 s "
                             "(gave up after 5 attempts)")
-    for day in range(14):
-        for i in range(3 + day % 4):
-            job = make_job(f"doc-{1000 + day * 10 + i}", "delivered", now=now,
-                           age=3600 + day * 86400 + i * 600)
-            base = 3600 + day * 86400 + i * 600
-            make_memo(job, "fetch", "0.0005", now=now, age=base + 90, ms=180)
-            make_memo(job, "extract", f"0.0{28 + (day * 7 + i) % 17}", now=now, age=base + 60,
-                      ms=2400)
-            make_memo(job, "verify", f"0.00{4 + i % 5}", now=now, age=base + 30, ms=600)
-            make_memo(job, "deliver", "0.001", now=now, age=base, ms=90)
+    make_finished([
+        (f"doc-{1000 + day * 10 + i}", 3600 + day * 86400 + i * 600, {
+            "fetch": "0.0005", "extract": f"0.0{28 + (day * 7 + i) % 17}",
+            "verify": f"0.00{4 + i % 5}", "deliver": "0.001"})
+        for day in range(14) for i in range(3 + day % 4)
+    ], now=now)
     return now
 
 

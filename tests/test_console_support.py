@@ -82,3 +82,26 @@ VIEW = ("view_job", "view_stepresult", "view_outbox", "view_approval", "view_job
         "view_pause")
 OPERATE = (*VIEW, "requeue_job", "retry_job", "cancel_job", "send_back_job", "replay_step",
            "pause_workflow", "reconcile_action", "view_payload")
+
+
+def make_finished(specs, *, now=None, workflow=PIPELINE, state="delivered"):
+    """Finished jobs with memos, in a few queries: ``specs`` is ``[(key, age, {step: cost})]``."""
+    now = now or locking.db_now()
+    jobs = Job.objects.bulk_create(
+        [Job(id=key, workflow=workflow, state=state, payload={}) for key, _, _ in specs]
+    )
+    memos = []
+    for job, (_, age, costs) in zip(jobs, specs, strict=True):
+        job.created = job.updated = ago(now, age)
+        for i, (step, cost) in enumerate(costs.items()):
+            memos.append(StepResult(job=job, step=step, cost=Decimal(str(cost)), workflow=workflow,
+                                    output={"step": step}, duration=datetime.timedelta(seconds=1),
+                                    at=ago(now, age + 30 * (len(costs) - i))))
+    # bulk_update sets the timestamps as given: auto_now applies to save() only.
+    Job.objects.bulk_update(jobs, ["created", "updated"])
+    when = {(m.job_id, m.step): m.at for m in memos}
+    StepResult.objects.bulk_create(memos)
+    for memo in memos:
+        memo.at = when[memo.job_id, memo.step]
+    StepResult.objects.bulk_update(memos, ["at"])
+    return jobs
