@@ -30,6 +30,9 @@ _NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 
 def _normalise_payload(payload):
+    if payload is None:
+        # JSONField stores None as SQL NULL, which the column refuses: say so up front.
+        raise PayloadInvalid("The payload is None; submit {} for a job that needs no input")
     try:
         text = json.dumps(payload, cls=DjangoJSONEncoder, sort_keys=True, allow_nan=False)
     except RecursionError:
@@ -50,6 +53,29 @@ def _normalise_payload(payload):
             " (DURABLE['MAX_PAYLOAD_BYTES'])"
         )
     return json.loads(text)
+
+
+def _same_json(a, b):
+    """Whether two JSON values are equal, numbers compared by value.
+
+    PostgreSQL's jsonb stores numbers as numeric and may give a float back as an int
+    (5.952212542729497e+16 returns as 59522125427294970): the same payload resubmitted
+    must not look different.
+    """
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, int | float) and isinstance(b, int | float):
+        if a == b:
+            return True
+        try:
+            return float(a) == float(b)
+        except OverflowError:
+            return False
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_json(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same_json(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
 
 
 def _is_unicode(text):
@@ -95,7 +121,7 @@ def submit(workflow, key, payload, *, run_after=None, queue="default", submitted
         existing = Job.objects.filter(pk=key).first()
         if existing is None:
             raise
-        if existing.workflow != definition.name or existing.payload != payload:
+        if existing.workflow != definition.name or not _same_json(existing.payload, payload):
             raise IdempotencyConflict(
                 f"Job {key!r} already exists for workflow {existing.workflow!r} with a different"
                 f" {'workflow' if existing.workflow != definition.name else 'payload'}"

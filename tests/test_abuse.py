@@ -52,6 +52,21 @@ def test_a_lone_surrogate_in_a_payload_is_refused(payload):
     assert not Job.objects.exists()
 
 
+def test_resubmitting_a_float_the_database_gives_back_as_an_int_is_not_a_conflict():
+    # jsonb keeps numbers as numeric: this float comes back from PostgreSQL as an int.
+    payload = {"x": 5.952212542729497e16, "y": 0.1, "big": 10**30, "flag": True}
+    first = durable.submit("recorded", "k1", payload)
+    assert durable.submit("recorded", "k1", payload).pk == first.pk
+    with pytest.raises(IdempotencyConflict):
+        durable.submit("recorded", "k1", {**payload, "flag": 1})
+
+
+def test_a_none_payload_is_refused_with_a_message_not_a_database_error():
+    with pytest.raises(PayloadInvalid, match="submit {}"):
+        durable.submit("recorded", "k1", None)
+    assert not Job.objects.exists()
+
+
 def test_text_that_only_looks_like_an_escape_is_kept_as_written():
     payload = {"regex": "\\u0000 and \\ud800 are escapes", "emoji": "\U0001f600", "nul": "\\x00"}
     job = durable.submit("recorded", "k1", payload)

@@ -153,3 +153,42 @@ MATRIX = {
 }
 for _name, (_idempotent, _lookup) in MATRIX.items():
     register(DrillReceiver(_name, idempotent=_idempotent, lookup=_lookup))
+
+
+# The property tests' workflow: each step does what the test says it should this time.
+
+CHAOS = {}  # job id -> the next step's outcome (in-process runners only)
+CHAOS_RETRY = Retry(max_attempts=2, base=0.001, cap=0.002)
+
+
+def chaos(ctx):
+    from durable import NeedsHuman, PermanentError
+
+    outcome = CHAOS.pop(ctx.job_id, "ok")
+    if outcome == "retry":
+        raise ConnectionError("chaos: connection reset")
+    if outcome == "poison":
+        raise PermanentError("chaos: malformed input")
+    if outcome == "human":
+        raise NeedsHuman("chaos: a person must look")
+    if outcome == "wait" and not ctx.woken:
+        ctx.sleep(0)
+    return {"step": ctx.step, "attempt": ctx.attempt}
+
+
+class Chaos(Workflow):
+    """Three steps (one may wait, one may ask a human) steered by the property tests."""
+
+    name = "drill_chaos"
+
+    @step(retry=CHAOS_RETRY, waits=True)
+    def a(self, payload, ctx):
+        return chaos(ctx)
+
+    @step(retry=CHAOS_RETRY, needs_human=True)
+    def b(self, data, ctx):
+        return chaos(ctx)
+
+    @step(retry=CHAOS_RETRY)
+    def c(self, data, ctx):
+        return chaos(ctx)
