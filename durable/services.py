@@ -318,6 +318,11 @@ def _replay_target(job, step_name):
     return definition, st, memo, memos, data
 
 
+def replay_input(job, step_name):
+    """The exact input ``step_name`` of ``job`` ran on; OperatorError if it cannot be replayed."""
+    return _replay_target(job, step_name)[4]
+
+
 def replay_step(job_id, step_name, *, user=None, reason="", confirm=None):
     """Run one step again against current code with its exact input; replace the memo only on confirm.
 

@@ -498,7 +498,7 @@ def _event_details(data):
     return " · ".join(parts)
 
 
-def timeline(job, user):
+def timeline(job):
     """Every event, memo, action and approval of ``job``, oldest first."""
     entries = []
     step_done = set()
@@ -617,7 +617,7 @@ def job_detail(request, model_admin, object_id):
         job=job, original=job, object_id=object_id, definition=definition,
         kind=kind, now=now, lease=lease,
         cost=sum((m["memo"].cost for m in memos), Decimal(0)),
-        timeline=timeline(job, user),
+        timeline=timeline(job),
         table=table_rows(job, definition.table) if definition else [],
         memos=memos, actions=actions, approvals=approvals,
         payload=show_json(job.payload, user),
@@ -653,6 +653,8 @@ def job_action(request, model_admin, object_id, verb):
         job = v.service(job_id, user=request.user, reason=reason, **kwargs)
     except DurableError as exc:
         messages.error(request, f"{v.label} refused: {exc}. Nothing was changed.")
+        if not Job.objects.filter(pk=job_id).exists():
+            back = _url(admin_site, "durable_job_changelist")
     else:
         messages.success(request, f"Job {job_id} {v.done}; it is now {job.state}.")
     return HttpResponseRedirect(back)
@@ -693,20 +695,18 @@ def replay(request, model_admin, object_id, step):
         job=job, memo=memo, step=step, result=result, errors=errors, back=back,
         old=show_json(memo.output, user),
         new=show_json(result.new_output, user) if result and not result.error else None,
-        input=show_json(result.input if result else services._replay_target(job, step)[4], user)
-        if _replayable(job, step) else None,
+        input=show_json(result.input if result else _replay_input(job, step), user),
         token=request.POST.get("confirm", "") if errors else (result.token if result else ""),
     )
     return TemplateResponse(request, "admin/durable/job/replay.html", context,
                             status=400 if errors else 200)
 
 
-def _replayable(job, step):
+def _replay_input(job, step):
     try:
-        services._replay_target(job, step)
-    except DurableError:
-        return False
-    return True
+        return services.replay_input(job, step)
+    except DurableError as exc:
+        return f"(cannot be replayed: {exc})"
 
 
 # Reconciliation --------------------------------------------------------------------------

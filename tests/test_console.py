@@ -706,3 +706,54 @@ def test_the_durable_app_index_leads_to_the_console(viewer):
 
 def test_the_job_page_refuses_to_be_framed(viewer, scene):
     assert viewer.get(job_page("bad0"))["X-Frame-Options"] == "DENY"
+
+
+# Bad input: a clear message, nothing lost ------------------------------------------------------
+
+
+def test_acting_on_a_job_that_does_not_exist_says_so(operator, scene):
+    response = operator.post(url("durable_job_act", "ghost", "cancel"), {"reason": "x"}, follow=True)
+
+    assert "There is no job &#x27;ghost&#x27;" in response.content.decode()
+
+
+def test_requeueing_a_failure_group_that_no_longer_exists_says_so(operator, scene):
+    response = operator.get(url("durable_requeue_group", "0123456789abcdef"), follow=True)
+
+    assert "No failed job has this cause any more" in response.content.decode()
+    assert Job.objects.filter(state="failed_fetch").count() == 2
+
+
+def test_a_tampered_expected_count_is_treated_as_a_changed_selection(operator, scene):
+    target = group_url(operator.get(url("durable_dashboard")))
+
+    response = operator.post(target, {"confirm": "yes", "expected": "lots", "reason": "x"})
+
+    assert response.status_code == 409
+    assert Job.objects.filter(state="failed_fetch").count() == 2
+
+
+def test_a_pause_form_with_an_unknown_action_changes_nothing(operator, scene):
+    response = operator.post(url("durable_pause"), {"workflow": "test_pipeline",
+                                                   "action": "explode", "reason": "x"}, follow=True)
+
+    assert "Choose pause or resume" in response.content.decode()
+    assert not Pause.objects.exists()
+
+
+def test_a_forged_replay_confirmation_is_refused_and_the_memo_kept(operator, ran):
+    from durable.models import StepResult
+
+    target = url("durable_job_replay", "doc-7", "extract")
+
+    response = operator.post(target, {"confirm": "forged", "reason": "x"}, follow=True)
+
+    assert "not one the console produced" in response.content.decode()
+    assert StepResult.objects.get(job_id="doc-7", step="extract").output == {"n": 0}
+
+
+def test_deciding_on_an_action_that_does_not_exist_says_so(operator, scene):
+    response = operator.post(url("durable_reconcile_decide", 999, "cancel"),
+                             {"version": "1", "reason": "x"}, follow=True)
+
+    assert "There is no action 999" in response.content.decode()
