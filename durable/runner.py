@@ -10,8 +10,7 @@ import logging
 import time
 from decimal import Decimal
 
-from django.core.serializers.json import DjangoJSONEncoder
-from django.db import transaction
+from django.db import DataError, transaction
 from django.db.models.functions import Now
 
 from . import faults, locking
@@ -19,11 +18,13 @@ from .conf import durable_settings
 from .exceptions import UnknownWorkflow
 from .models import EventKind, Job, JobEvent, StepResult
 from .retry import backoff, classify, describe, scrub
+from .serialization import storable_json
 from .signals import job_finished, step_finished, step_started
 from .states import StateKind
 from .workflows import Action, Context, NeedsHuman, Output, Wait, registry
 
 logger = logging.getLogger("durable.worker")
+
 
 
 class Started:
@@ -170,7 +171,7 @@ class Runner:
             attempt=started.attempt, payload=claimed.payload, memos=memos,
             db_now=claimed.db_now, wake_at=claimed.wake_at,
         )
-        if step_started.has_listeners():
+        if step_started.has_listeners(started.workflow.name):
             step_started.send(started.workflow.name, job_id=claimed.id, step=step.name,
                               attempt=started.attempt, worker=self.owner)
         faults.point("before_step")
@@ -198,9 +199,12 @@ class Runner:
             # An action step that returns anything else is refused there, clearly.
             return self._action(started, returned, ctx, cost, duration)
         try:
-            output = json.loads(json.dumps(returned, cls=DjangoJSONEncoder))
+            output = json.loads(storable_json(returned))
+            if cost < 0:
+                raise ValueError(f"a step's cost must not be negative (got {cost})")
         except (TypeError, ValueError) as exc:
-            return self._failed(started, TypeError(f"step output is not JSON-serialisable: {exc}"), 0)
+            # Deterministic: the same code would produce the same output again.
+            return self._failed(started, type(exc)(f"step output refused, it is not storable JSON: {exc}"), 0)
         return self._complete(started, output, cost, duration)
 
     def _input_for(self, started):
@@ -214,7 +218,6 @@ class Runner:
     def _complete(self, started, output, cost, duration, write_memo=True):
         """Write the memo and advance the state in one transaction; maybe continue."""
         claimed, step, states, table = started.claimed, started.step, started.states, started.table
-        token = claimed.lease_token
         nxt = table.step_starting_at(states.done)
         terminal = table.is_terminal(states.done)
         keep_going = nxt is not None and not self.stopping
@@ -231,23 +234,19 @@ class Runner:
         if terminal:
             faults.point("before_final_transition")
         following = None
-        with transaction.atomic():
-            ok = locking.transition(
-                claimed, path, token=token, actor=self.owner, step=step.name, table=table,
-                kind=EventKind.STEP_DONE, fields=fields,
-                data={"attempt": started.attempt, "cost": str(cost),
-                      "ms": round(duration.total_seconds() * 1000, 3)},
-            )
-            if not ok:
-                self._lost(started)
-                return None
-            if write_memo:
-                StepResult.objects.create(
-                    job_id=claimed.id, step=step.name, output=output, cost=cost,
-                    duration=duration, attempt=started.attempt, workflow=started.workflow.name,
-                )
-            if not keep_going and self.chain and not self.stopping:
-                following = self._claim_and_start()
+        try:
+            with transaction.atomic():
+                ok = self._commit_step(started, path, fields, output, cost, duration, write_memo,
+                                       keep_going)
+                if ok and not keep_going and self.chain and not self.stopping:
+                    following = self._claim_and_start()
+        except DataError as exc:
+            # The database refused the values themselves (not an outage): retrying the
+            # same output cannot help, so the step fails here instead of looping.
+            return self._failed(started, exc, 0)
+        if not ok:
+            self._lost(started)
+            return None
         faults.point("after_final_transition" if terminal else "after_commit")
         started.memos[step.name] = output
         logger.info(
@@ -256,7 +255,7 @@ class Runner:
             duration.total_seconds() * 1000, cost, claimed.state,
         )
         self._signal_finished(started, "done")
-        if terminal and job_finished.has_listeners():
+        if terminal and job_finished.has_listeners(started.workflow.name):
             job_finished.send(started.workflow.name, job_id=claimed.id, state=claimed.state)
         if not keep_going:
             if following is not None:
@@ -268,6 +267,21 @@ class Runner:
         claimed.attempts = 1
         claimed.wake_at = None
         return started
+
+    def _commit_step(self, started, path, fields, output, cost, duration, write_memo, keep_going):
+        claimed, step = started.claimed, started.step
+        ok = locking.transition(
+            claimed, path, token=claimed.lease_token, actor=self.owner, step=step.name,
+            table=started.table, kind=EventKind.STEP_DONE, fields=fields,
+            data={"attempt": started.attempt, "cost": str(cost),
+                  "ms": round(duration.total_seconds() * 1000, 3)},
+        )
+        if ok and write_memo:
+            StepResult.objects.create(
+                job_id=claimed.id, step=step.name, output=output, cost=cost,
+                duration=duration, attempt=started.attempt, workflow=started.workflow.name,
+            )
+        return ok
 
     def _action(self, started, action, ctx, cost, duration):
         """Hand an action to the outbox (see durable.dispatch) in the completing transaction."""
@@ -388,7 +402,7 @@ class Runner:
         )
 
     def _signal_finished(self, started, outcome):
-        if step_finished.has_listeners():
+        if step_finished.has_listeners(started.workflow.name):
             step_finished.send(started.workflow.name, job_id=started.claimed.id,
                                step=started.step.name, outcome=outcome,
                                state=started.claimed.state, worker=self.owner)

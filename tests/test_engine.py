@@ -259,7 +259,7 @@ def test_a_non_json_step_output_is_poison():
         drain()
         job = Job.objects.get(pk="j")
         assert job.state == "failed_s"
-        assert "not JSON-serialisable" in job.last_error
+        assert "not storable JSON" in job.last_error
     finally:
         registry.unregister("bad_output")
 
@@ -279,3 +279,74 @@ def test_a_job_costs_one_commit_per_step_and_the_next_claim_rides_on_the_last(mo
     # One commit for the first claim, then one per step (3 jobs x 3 steps); the claims
     # of the second and third job ride on the commit that finished the one before.
     assert len(commits) == 1 + 9
+
+
+@pytest.mark.parametrize(
+    ("output", "message"),
+    [("nul \x00 byte", "NUL character"), ("lone \ud800", "surrogate"), (float("inf"), "not JSON compliant")],
+    ids=["nul", "surrogate", "infinity"],
+)
+def test_a_step_output_no_database_can_store_fails_the_step_once(output, message):
+    from durable import Workflow, step
+    from durable.workflows import registry
+
+    class Unstorable(Workflow):
+        name = "unstorable"
+
+        @step
+        def s(self, payload, ctx):
+            return {"text": output}
+
+    try:
+        durable.submit("unstorable", "j", {})
+        drain()
+        job = Job.objects.get(pk="j")
+        assert job.state == "failed_s"
+        assert message in job.last_error
+        assert not events("j", EventKind.RETRY)
+    finally:
+        registry.unregister("unstorable")
+
+
+def test_a_negative_cost_fails_the_step_with_a_clear_error():
+    from durable import Output, Workflow, step
+    from durable.workflows import registry
+
+    class Refund(Workflow):
+        name = "negative_cost"
+
+        @step
+        def s(self, payload, ctx):
+            return Output({}, cost="-0.5")
+
+    try:
+        durable.submit("negative_cost", "j", {})
+        drain()
+        job = Job.objects.get(pk="j")
+        assert job.state == "failed_s"
+        assert "must not be negative" in job.last_error
+    finally:
+        registry.unregister("negative_cost")
+
+
+def test_step_signals_reach_receivers_connected_for_one_workflow():
+    from durable.signals import job_finished, step_finished
+
+    seen = []
+
+    def on_step(sender, **kw):
+        seen.append((sender, kw["step"], kw["outcome"]))
+
+    def on_job(sender, **kw):
+        seen.append((sender, "job", kw["state"]))
+
+    step_finished.connect(on_step, sender="recorded")
+    job_finished.connect(on_job, sender="recorded")
+    try:
+        durable.submit("recorded", "j", {})
+        drain()
+    finally:
+        step_finished.disconnect(on_step, sender="recorded")
+        job_finished.disconnect(on_job, sender="recorded")
+    assert seen == [("recorded", "a", "done"), ("recorded", "b", "done"), ("recorded", "c", "done"),
+                    ("recorded", "job", "c_done")]
