@@ -42,6 +42,10 @@ def _run_role(role, index, options):
     else:
         worker = runner(name=worker_id(role, index), **options)
     worker.install_signal_handlers()
+    # Ctrl-C reaches the whole process group, and the supervisor forwards it as SIGTERM:
+    # a child that also handled the SIGINT would take that for a second signal and quit
+    # mid-step. The supervisor alone answers SIGINT (twice: it kills the children).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     worker.run()
 
 
