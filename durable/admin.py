@@ -108,12 +108,12 @@ class JobAdmin(ReadOnlyAdmin):
     def changelist_view(self, request, extra_context=None):
         extra = {
             "title": "Jobs",
-            "dashboard_url": views._try_url(self.admin_site, "durable_dashboard"),
-            "console_nav": views._nav(self.admin_site),
+            "dashboard_url": views.url_or_blank(self.admin_site, "durable_dashboard"),
+            "console_nav": views.console_nav(self.admin_site),
             "console_section": "jobs",
             "paused": list(Pause.objects.order_by("workflow")),
             "bulk_verbs": [
-                {"verb": v, "url": views._url(self.admin_site, "durable_job_bulk", v.name,
+                {"verb": v, "url": views.admin_url(self.admin_site, "durable_job_bulk", v.name,
                                               query=request.GET.urlencode())}
                 for v in views.VERBS.values()
                 if v.bulk is not None and request.user.has_perm(v.permission)

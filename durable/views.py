@@ -12,6 +12,7 @@ import functools
 import importlib
 import json
 from dataclasses import dataclass
+from urllib.parse import urlencode
 from decimal import Decimal
 
 from django import forms
@@ -123,41 +124,42 @@ class Refused(Exception):
         self.back = back
 
 
-def _url(admin_site, name, *args, query=""):
+def admin_url(admin_site, name, *args, query=""):
+    """Reverse ``name`` in ``admin_site``'s namespace, with an optional query string."""
     url = reverse(f"{admin_site.name}:{name}", args=args)
     return f"{url}?{query}" if query else url
 
 
-def _try_url(admin_site, name, *args):
+def url_or_blank(admin_site, name, *args):
+    """Like admin_url, or "" when the page is not installed in this site."""
     try:
-        return _url(admin_site, name, *args)
+        return admin_url(admin_site, name, *args)
     except NoReverseMatch:
         return ""
 
 
 def job_url(admin_site, pk):
-    return _url(admin_site, "durable_job_change", quote(pk))
+    return admin_url(admin_site, "durable_job_change", quote(pk))
 
 
 def jobs_url(admin_site, **filters):
-    from urllib.parse import urlencode
-
-    return _url(admin_site, "durable_job_changelist", query=urlencode(filters))
+    return admin_url(admin_site, "durable_job_changelist", query=urlencode(filters))
 
 
-def _nav(admin_site):
+def console_nav(admin_site):
+    """The console's tabs: (key, label, url), leaving out pages this site lacks."""
     return [
-        ("dashboard", "Dashboard", _try_url(admin_site, "durable_dashboard")),
-        ("jobs", "Jobs", _try_url(admin_site, "durable_job_changelist")),
-        ("reconcile", "Reconciliation", _try_url(admin_site, "durable_reconcile")),
+        ("dashboard", "Dashboard", url_or_blank(admin_site, "durable_dashboard")),
+        ("jobs", "Jobs", url_or_blank(admin_site, "durable_job_changelist")),
+        ("reconcile", "Reconciliation", url_or_blank(admin_site, "durable_reconcile")),
         ("approvals", "Approvals", approvals_url(admin_site)),
-        ("costs", "Cost report", _try_url(admin_site, "durable_costs")),
+        ("costs", "Cost report", url_or_blank(admin_site, "durable_costs")),
     ]
 
 
 def approvals_url(admin_site):
     """The approval queue when its pages are installed, else the Approval list."""
-    return _try_url(admin_site, "durable_approvals") or _try_url(
+    return url_or_blank(admin_site, "durable_approvals") or url_or_blank(
         admin_site, "durable_approval_changelist"
     )
 
@@ -168,7 +170,7 @@ def _context(request, admin_site, title, section="", **extra):
         "title": title,
         "opts": Job._meta,
         "app_label": "durable",
-        "console_nav": _nav(admin_site),
+        "console_nav": console_nav(admin_site),
         "console_section": section,
         "paused": list(Pause.objects.order_by("workflow")),
         **extra,
@@ -269,7 +271,7 @@ def dashboard(request, admin_site):
         })
     failures = [
         {"group": g,
-         "requeue_url": _url(admin_site, "durable_requeue_group", g.fingerprint),
+         "requeue_url": admin_url(admin_site, "durable_requeue_group", g.fingerprint),
          "jobs_url": jobs_url(admin_site, failed="yes", workflow=g.workflow)}
         for g in status["failures"]
     ]
@@ -296,13 +298,13 @@ def dashboard(request, admin_site):
         refresh_seconds=AUTO_REFRESH_SECONDS,
         can_requeue=request.user.has_perm("durable.requeue_job"),
         can_pause=request.user.has_perm("durable.pause_workflow"),
-        pause_url=_url(admin_site, "durable_pause"),
+        pause_url=admin_url(admin_site, "durable_pause"),
         stuck_url=jobs_url(admin_site, stuck="yes"),
         failed_url=jobs_url(admin_site, failed="yes"),
         human_url=jobs_url(admin_site, human="yes"),
         approvals_url=approvals_url(admin_site),
-        reconcile_url=_url(admin_site, "durable_reconcile"),
-        costs_url=_url(admin_site, "durable_costs"),
+        reconcile_url=admin_url(admin_site, "durable_reconcile"),
+        costs_url=admin_url(admin_site, "durable_costs"),
         human_total=Job.objects.filter(reports.waiting_for_human_q(workflow)).count(),
         unknown_total=reports.scoped(Outbox.objects.unknown(), workflow, "job__workflow").count(),
         pending_approvals=reports.scoped(
@@ -316,11 +318,11 @@ def _alert(admin_site, alert):
     if alert.target == "job":
         url = job_url(admin_site, alert.params["pk"])
     elif alert.target == "failures":
-        url = _url(admin_site, "durable_dashboard") + "#failures"
+        url = admin_url(admin_site, "durable_dashboard") + "#failures"
     elif alert.target == "approvals":
         url = approvals_url(admin_site)
     elif alert.target == "reconcile":
-        url = _url(admin_site, "durable_reconcile")
+        url = admin_url(admin_site, "durable_reconcile")
     else:
         url = ""
     return {"alert": alert, "url": url}
@@ -347,7 +349,7 @@ def hbar_chart(items, width=520, bar=18, gap=10, label_width=170):
 
 def requeue_group(request, admin_site, fingerprint):
     _require_view(request, "durable.view_job")
-    back = _url(admin_site, "durable_dashboard") + "#failures"
+    back = admin_url(admin_site, "durable_dashboard") + "#failures"
     _require(request, "durable.requeue_job", "requeue jobs", back)
     group = reports.failure_group(fingerprint)
     if group is None:
@@ -375,7 +377,7 @@ def bulk_action(request, model_admin, verb):
     if v is None or v.bulk is None:
         raise Http404(f"There is no bulk verb {verb!r}")
     ids = request.POST.getlist("ids")
-    back = _url(admin_site, "durable_job_changelist", query=request.GET.urlencode())
+    back = admin_url(admin_site, "durable_job_changelist", query=request.GET.urlencode())
     _require(request, v.permission, f"{v.label.lower()} jobs", back)
     if ids:
         queryset = Job.objects.filter(pk__in=ids)
@@ -414,8 +416,8 @@ def bulk_confirm_selected(request, model_admin, verb, ids):
     return _confirm_bulk(
         request, admin_site, v, Job.objects.filter(pk__in=ids),
         scope=[f"The {len(ids)} job{'s' if len(ids) != 1 else ''} you selected"],
-        back=_url(admin_site, "durable_job_changelist"), title=f"{v.label} the selected jobs",
-        ids=ids, action=_url(admin_site, "durable_job_bulk", v.name), submitted=False,
+        back=admin_url(admin_site, "durable_job_changelist"), title=f"{v.label} the selected jobs",
+        ids=ids, action=admin_url(admin_site, "durable_job_bulk", v.name), submitted=False,
     )
 
 
@@ -602,12 +604,12 @@ def job_detail(request, model_admin, object_id):
         step_def = definition.steps_by_name.get(m.step) if definition else None
         memos.append({
             "memo": m, "output": show_json(m.output, user),
-            "replay_url": _url(admin_site, "durable_job_replay", quote(job.pk), m.step)
+            "replay_url": admin_url(admin_site, "durable_job_replay", quote(job.pk), m.step)
             if can_replay and step_def is not None and not step_def.action else "",
         })
     actions = [{"row": a, "payload": show_json(a.payload, user)} for a in job.actions.order_by("id")]
     approvals = [{"row": a, "proposal": show_json(a.proposal, user),
-                  "url": _try_url(admin_site, "durable_approval", a.pk)}
+                  "url": url_or_blank(admin_site, "durable_approval", a.pk)}
                  for a in job.approvals.select_related("decided_by").order_by("id")]
     send_back_to = []
     if definition and kind == StateKind.HUMAN:
@@ -624,8 +626,8 @@ def job_detail(request, model_admin, object_id):
         result=show_json(job.result, user) if job.result is not None else None,
         verbs=_available_verbs(job, definition, user, lease),
         send_back_to=send_back_to,
-        act_urls={v: _url(admin_site, "durable_job_act", quote(job.pk), v) for v in VERBS},
-        jobs_url=_url(admin_site, "durable_job_changelist"),
+        act_urls={v: admin_url(admin_site, "durable_job_act", quote(job.pk), v) for v in VERBS},
+        jobs_url=admin_url(admin_site, "durable_job_changelist"),
         workflow_paused=Pause.objects.filter(workflow=job.workflow).first(),
         sees_payloads=user.has_perm("durable.view_payload"),
         redact_keys=durable_settings.REDACT_KEYS,
@@ -654,7 +656,7 @@ def job_action(request, model_admin, object_id, verb):
     except DurableError as exc:
         messages.error(request, f"{v.label} refused: {exc}. Nothing was changed.")
         if not Job.objects.filter(pk=job_id).exists():
-            back = _url(admin_site, "durable_job_changelist")
+            back = admin_url(admin_site, "durable_job_changelist")
     else:
         messages.success(request, f"Job {job_id} {v.done}; it is now {job.state}.")
     return HttpResponseRedirect(back)
@@ -733,20 +735,20 @@ def reconciliation(request, admin_site):
             "stale_attempt": row.status == OutboxStatus.ATTEMPTED,
             "forms": [
                 {"decision": d, "label": label, "help": help_,
-                 "url": _url(admin_site, "durable_reconcile_decide", row.pk, d)}
+                 "url": admin_url(admin_site, "durable_reconcile_decide", row.pk, d)}
                 for d, (_, label, help_) in DECISIONS.items()
             ] if may_decide else [],
         })
     context = _context(
         request, admin_site, "Reconciliation: actions with an unknown result", "reconcile",
         items=items, now=now, may_decide=may_decide, installed=module is not None,
-        settled_url=_try_url(admin_site, "durable_outbox_changelist"),
+        settled_url=url_or_blank(admin_site, "durable_outbox_changelist"),
     )
     return TemplateResponse(request, "admin/durable/reconcile.html", context)
 
 
 def reconcile_decide(request, admin_site, pk, decision):
-    back = _url(admin_site, "durable_reconcile")
+    back = admin_url(admin_site, "durable_reconcile")
     if decision not in DECISIONS:
         raise Http404(f"There is no decision {decision!r}")
     _require(request, "durable.reconcile_action", "reconcile actions", back)
@@ -893,7 +895,7 @@ def columns_chart(days, series, width=880, height=280, most=7):
 
 
 def pause_workflow(request, admin_site):
-    back = _back(request, _url(admin_site, "durable_dashboard"))
+    back = _back(request, admin_url(admin_site, "durable_dashboard"))
     _require(request, "durable.pause_workflow", "pause or resume workflows", back)
     workflow = request.POST.get("workflow", "")
     action = request.POST.get("action", "")

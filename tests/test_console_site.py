@@ -1,0 +1,37 @@
+"""The console in a project's own AdminSite: install_console() adds the pages to it."""
+
+import pytest
+from django.contrib.admin import AdminSite
+from django.test import override_settings
+from django.urls import path
+
+from durable.admin import JobAdmin, OutboxAdmin, StepResultAdmin, install_console
+from durable.models import Job, Outbox, StepResult
+from tests.test_console_support import OPERATE, make_job, make_user
+
+pytestmark = pytest.mark.django_db
+
+site = AdminSite(name="ops")
+site.register(Job, JobAdmin)
+site.register(Outbox, OutboxAdmin)
+site.register(StepResult, StepResultAdmin)
+install_console(site)
+install_console(site)  # twice is harmless
+
+urlpatterns = [path("ops/", site.urls)]
+
+
+@override_settings(ROOT_URLCONF=__name__)
+def test_a_custom_admin_site_serves_the_console_with_its_own_links(client):
+    make_job("bad", "failed_fetch", last_error="ValueError: x")
+    client.force_login(make_user("olga", *OPERATE))
+
+    response = client.get("/ops/durable/dashboard/")
+
+    assert response.status_code == 200
+    html = response.content.decode()
+    assert "/ops/durable/job/?failed=yes" in html and "/ops/durable/costs/" in html
+    assert "/admin/" not in html.replace("/static/admin/", "")
+    assert client.get("/ops/durable/job/bad/change/").status_code == 200
+    assert client.post("/ops/durable/job/bad/act/requeue/", {"reason": "x"}).status_code == 302
+    assert Job.objects.get().state == "pending"
