@@ -12,8 +12,8 @@ import functools
 import importlib
 import json
 from dataclasses import dataclass
-from urllib.parse import urlencode
 from decimal import Decimal
+from urllib.parse import urlencode
 
 from django import forms
 from django.contrib import messages
