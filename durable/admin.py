@@ -103,7 +103,7 @@ class JobAdmin(ReadOnlyAdmin):
         return views.job_urls(self) + super().get_urls()
 
     def change_view(self, request, object_id, form_url="", extra_context=None):
-        return views.job_detail(request, self, object_id)
+        return views.in_utc(views.job_detail, request, self, object_id)
 
     def changelist_view(self, request, extra_context=None):
         extra = {

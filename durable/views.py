@@ -26,6 +26,7 @@ from django.http import Http404, HttpResponseRedirect
 from django.shortcuts import get_object_or_404
 from django.template.response import TemplateResponse
 from django.urls import NoReverseMatch, path, reverse
+from django.utils import timezone
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.clickjacking import xframe_options_deny
 from django.views.decorators.http import require_http_methods
@@ -216,11 +217,25 @@ def page(admin_site, view, *methods, model_admin=None):
     def bound(request, *args, **kwargs):
         request.current_app = admin_site.name  # so {% url 'admin:…' %} finds this site
         try:
-            return view(request, model_admin or admin_site, *args, **kwargs)
+            return in_utc(view, request, model_admin or admin_site, *args, **kwargs)
         except Refused as exc:
-            return _refused(request, admin_site, exc)
+            return in_utc(_refused, request, admin_site, exc)
 
     return admin_site.admin_view(xframe_options_deny(require_http_methods(list(methods))(bound)))
+
+
+def in_utc(view, request, *args, **kwargs):
+    """Call ``view`` and render its page with times in UTC.
+
+    The console labels its times UTC, like the database clock, the logs and the cost
+    report's days; the page is rendered here because a TemplateResponse renders only
+    after the view returns, when the override would be over.
+    """
+    with timezone.override(datetime.UTC):
+        response = view(request, *args, **kwargs)
+        if hasattr(response, "render") and not response.is_rendered:
+            response.render()
+    return response
 
 
 def reconcile_module():

@@ -757,3 +757,14 @@ def test_deciding_on_an_action_that_does_not_exist_says_so(operator, scene):
                              {"version": "1", "reason": "x"}, follow=True)
 
     assert "There is no action 999" in response.content.decode()
+
+
+@override_settings(TIME_ZONE="Asia/Tokyo")
+def test_console_times_are_shown_in_utc_as_labelled_whatever_the_sites_time_zone(viewer, scene):
+    now = locking.db_now()
+
+    html = viewer.get(url("durable_dashboard")).content.decode()
+
+    assert f"{now:%Y-%m-%d %H:%M}" in html or f"{now + datetime.timedelta(minutes=1):%Y-%m-%d %H:%M}" in html
+    job = viewer.get(job_page("bad0")).content.decode()
+    assert f"{Job.objects.get(pk='bad0').created:%Y-%m-%d %H:%M:%S} UTC" in job
