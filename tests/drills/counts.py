@@ -168,7 +168,15 @@ def stale_writes(events, workflows):
             previous is not None and previous["actor"] == actor and previous["kind"] == kind
             and previous["to_state"] == ev["from_state"] and previous["data"] == ev["data"]
         )
-        if holder.get(job) != actor and not (continues_move and released_by.get(job) == actor):
+        # A note the releasing commit adds without moving the job (the proposal's
+        # "held until approved" event, written after the move to awaiting approval).
+        notes_release = (
+            previous is not None and previous["actor"] == actor
+            and ev["from_state"] == ev["to_state"] == previous["to_state"]
+        )
+        if holder.get(job) != actor and not (
+            (continues_move or notes_release) and released_by.get(job) == actor
+        ):
             stale.append(ev)
             continue
         kinds = workflows.get(job) or {}

@@ -616,3 +616,100 @@ def matrix_problems(row):
     elif row.extra["done"] != row.jobs:
         out.append(f"only {row.extra['done']} of {row.jobs} jobs settled automatically")
     return out
+
+
+# Approvals: a worker killed while its job waits for a person; a skewed dispatcher ----
+
+APPROVAL_POINTS = ("during_approval_wait",)
+# The refunds destination allows a 3 s exchange; the lease must stay above it.
+APPROVAL_ENV_LEASE = 5.0
+
+
+def _refund_jobs(lab, prefix, count_):
+    """Submit ``refund_review`` jobs, each with an order record of its own."""
+    from tests.testapp.approval_workflows import write_order
+
+    keys, orders = [], {}
+    for i in range(count_):
+        path = lab.workdir / f"{prefix}-order-{i}.json"
+        order = write_order(path, id=7000 + i, amount="12.50", currency="EUR")
+        key = f"{prefix}-{i:05d}"
+        durable.submit("refund_review", key, {"order_file": str(path)})
+        keys.append(key)
+        orders[order["id"]] = key
+    lab.submitted.extend(keys)
+    return keys, orders
+
+
+def approve_all(keys, user="drill-operator"):
+    """Approve every open proposal of ``keys`` as an operator would, bound to its hash."""
+    from durable.approvals import approve
+    from durable.models import Approval, ApprovalStatus
+
+    approved = 0
+    for approval in Approval.objects.filter(job_id__in=keys, status=ApprovalStatus.REQUESTED):
+        approve(approval.pk, approval.proposal_hash, user, "drill")
+        approved += 1
+    return approved
+
+
+def _refund_effects(receiver, orders):
+    return [(orders.get((a.get("body") or {}).get("order")), "refund") for a in receiver.actions]
+
+
+def _awaiting_approval(keys):
+    from durable.models import Approval, ApprovalStatus
+
+    return Approval.objects.filter(job_id__in=keys, status=ApprovalStatus.REQUESTED).count()
+
+
+def approval_fault_once(lab, point, size):
+    """Kill the worker right after it proposes; approve; every refund is sent exactly once."""
+    from durable.testing import Receiver
+
+    began = time.monotonic()
+    with Receiver(idempotent=True, lookup=True) as receiver:
+        env = {"DURABLE_TEST_REFUNDS_URL": receiver.url, "DURABLE_LEASE_SECONDS": APPROVAL_ENV_LEASE}
+        keys, orders = _refund_jobs(lab, point.replace("_", "-"), size.fault_jobs)
+        proc = lab.runworkers(1, fault=f"{point}@1", env=env)
+        _wait(lambda: sigkill_deaths(lab.output(proc), False) or lab.unsettled() == 0, 30)
+        fired = bool(sigkill_deaths(lab.output(proc), False))
+        lab.stop(proc)
+        lab.settle(size.settle_timeout, env=env)  # every job proposes and waits for a person
+        proposals = _awaiting_approval(keys)
+        approved = approve_all(keys)
+        settled = lab.settle(size.settle_timeout, env=env)
+        row = count(lab, f"fault {point}", began=began,
+                    effects=_refund_effects(receiver, orders),
+                    extra={"fired": fired, "proposals": proposals, "approved": approved,
+                           "refunds_applied": len(receiver.actions)})
+    if not fired:
+        row.notes.append(f"the fault point {point} was never reached")
+    if not settled:
+        row.notes.append("the quiet period ended with unsettled jobs")
+    return row
+
+
+def clock_skew_approvals(lab, size):
+    """A worker and dispatcher an hour ahead expire no ten-minute approval early."""
+    from durable.models import Approval, ApprovalStatus
+    from durable.testing import Receiver
+
+    began = time.monotonic()
+    with Receiver(idempotent=True, lookup=True) as receiver:
+        env = {"DURABLE_TEST_REFUNDS_URL": receiver.url, "DURABLE_LEASE_SECONDS": APPROVAL_ENV_LEASE,
+               **skewed_env("+1h")}
+        keys, orders = _refund_jobs(lab, "skew-approval", max(2, size.skew_jobs // 5))
+        proc = lab.runworkers(1, env=env)
+        _wait(lambda: _awaiting_approval(keys) == len(keys), 30)
+        approved = approve_all(keys)
+        done = _wait(lambda: lab.done(keys) == len(keys), 30)
+        lab.stop(proc)
+        expired = Approval.objects.filter(job_id__in=keys, status=ApprovalStatus.EXPIRED).count()
+        row = count(lab, "clock skew +1h: approvals", began=began,
+                    effects=_refund_effects(receiver, orders),
+                    extra={"approved": approved, "expired_early": expired,
+                           "refunds_applied": len(receiver.actions), "all_refunded": done})
+    if expired or not done:
+        row.notes.append(f"{expired} ten-minute approvals expired under a clock an hour ahead")
+    return row

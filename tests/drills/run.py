@@ -33,6 +33,9 @@ def plan(size, database, only, restart):
             elif point in d.ACTION_POINTS:
                 steps.append((f"faults:{point}",
                               lambda lab, p=point: [d.action_fault_once(lab, p, size)]))
+            elif point in d.APPROVAL_POINTS:
+                steps.append((f"faults:{point}",
+                              lambda lab, p=point: [d.approval_fault_once(lab, p, size)]))
     if "matrix" in only:
         steps.append(("matrix", lambda lab: d.receiver_matrix(lab, size)))
     if "random" in only and size.random_jobs:
@@ -49,6 +52,7 @@ def plan(size, database, only, restart):
         if "skew" in only:
             if d.faketime_library():
                 steps.append(("skew", lambda lab: [d.clock_skew(lab, size)]))
+                steps.append(("skew-approvals", lambda lab: [d.clock_skew_approvals(lab, size)]))
             else:
                 steps.append(("skew", "libfaketime is not installed (apt-get install faketime)"))
     else:
@@ -153,6 +157,8 @@ def _drill_specific(row):
         out.append(f"{locked_errors(row)} 'database is locked' errors")
     if row.drill == "sqlite busy (deferred)" and not locked_errors(row):
         out.append("DEFERRED showed no 'database is locked': the drill cannot see the errors")
+    if row.extra.get("expired_early") or row.extra.get("all_refunded") is False:
+        out.append("approvals expired early under a skewed clock")
     if row.drill == "paused holder" and not row.extra.get("returned_to_commit"):
         out.append("the paused holders never reached their commit")
     if row.extra.get("worker_restarts"):

@@ -26,3 +26,14 @@ def test_workers_an_hour_ahead_or_behind_steal_no_lease_and_wake_no_timer_early(
     assert row.extra["claims_ahead"] > 0
     assert row.extra["claims_behind"] > 0
     assert_targets(row)
+
+
+def test_a_worker_and_dispatcher_an_hour_ahead_expire_no_ten_minute_approval(lab, size):
+    from .drills import clock_skew_approvals
+
+    row = clock_skew_approvals(lab, size)
+    assert row.extra["approved"] == row.jobs
+    assert row.extra["expired_early"] == 0
+    assert row.extra["all_refunded"]
+    assert row.extra["refunds_applied"] == row.jobs
+    assert_targets(row)

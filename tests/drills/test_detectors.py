@@ -160,3 +160,14 @@ def test_the_stale_write_detector_sees_an_unfenced_commit_in_a_real_timeline():
     row = count(Bench(), "forged", began=0)
     assert row.stale >= 1
     assert any("stale write" in note for note in row.notes)
+
+
+def test_a_note_the_releasing_commit_adds_is_not_stale_but_a_later_move_is():
+    kinds = {**KINDS, "awaiting": StateKind.APPROVAL}
+    events = [
+        claim(1, W1),
+        ev(2, EventKind.APPROVAL, "a_running", "awaiting", W1, data={"approval": 1}),
+        ev(3, EventKind.ACTION, "awaiting", "awaiting", W1, data={"phase": "enqueued"}),
+        ev(4, EventKind.STEP_DONE, "awaiting", "a_done", W1, data={"attempt": 1}),
+    ]
+    assert [e["id"] for e in stale_writes(events, {"j": kinds})] == [4]

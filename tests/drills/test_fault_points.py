@@ -25,3 +25,16 @@ def test_a_worker_killed_at_this_point_loses_nothing_and_duplicates_only_the_ste
         assert row.dup_exec == 0
     if point in ("mid_step", "after_step_before_commit", "before_final_transition"):
         assert 1 <= row.dup_exec <= row.kills
+
+
+def test_a_worker_killed_while_its_job_waits_for_approval_loses_nothing_and_refunds_once(lab, size):
+    from .drills import approval_fault_once
+
+    if "during_approval_wait" not in wired_points():
+        pytest.skip("no code reaches the fault point during_approval_wait yet")
+    row = approval_fault_once(lab, "during_approval_wait", size)
+    assert row.extra["fired"]
+    assert row.extra["proposals"] == row.extra["approved"] == row.jobs
+    assert row.extra["refunds_applied"] == row.jobs
+    assert_targets(row)
+    assert lab.done() == row.jobs
