@@ -445,6 +445,7 @@ class Dispatcher:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
             self.waiter.close()
+            connection.close()
             logger.info("%s stopped", self.name)
 
     def _idle(self):

@@ -6,6 +6,7 @@ The receiver runs in this test process, so killing the workers never kills the
 
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -13,6 +14,7 @@ from django.core.management import CommandError, call_command
 
 import durable
 from durable import reconcile
+from durable.dispatch import Dispatcher
 from durable.models import Job, Outbox, OutboxStatus
 
 from .conftest import ROOT, wait_for, worker_env
@@ -145,3 +147,22 @@ def test_a_dispatcher_alone_sends_and_workers_alone_only_queue(workers, receiver
 def test_runworkers_refuses_contradictory_dispatcher_flags(args, error):
     with pytest.raises(CommandError, match=error):
         call_command("runworkers", *args)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_idle_dispatcher_wakes_at_once_when_an_action_is_queued(receiver, run_worker_inline):
+    dispatcher = Dispatcher(name="idle", poll_interval=5, threads=1)
+    thread = threading.Thread(target=dispatcher.run)
+    thread.start()
+    try:
+        time.sleep(0.5)  # asleep in its wait, with 4.5 s to go before it would poll
+        durable.submit("notify", "n1", {})
+        run_worker_inline()
+        queued = time.monotonic()
+        wait_for(lambda: receiver.actions, timeout=10, message="the action to be sent")
+        latency = time.monotonic() - queued
+    finally:
+        dispatcher.stop()
+        thread.join(10)
+    assert not thread.is_alive()
+    assert latency < 1.5
