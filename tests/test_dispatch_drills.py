@@ -105,11 +105,12 @@ def test_two_hundred_actions_with_a_fifth_of_replies_lost_are_each_applied_once(
     for n in range(200):
         durable.submit("notify", f"n-{n}", {"n": n})
     began = time.monotonic()
-    proc = workers.start(processes=4, env=DRILL_ENV)
+    # Four workers, and two dispatchers competing for the same outbox rows.
+    proc = workers.start("--dispatchers", "2", processes=4, env=DRILL_ENV)
     wait_for(lambda: Job.objects.filter(state="send_done").count() == 200, timeout=120,
              interval=0.2, message="200 delivered jobs")
     elapsed = time.monotonic() - began
-    workers.terminate(proc)
+    assert workers.terminate(proc) == 0  # SIGTERM drains workers and dispatchers
 
     applied = receiver.actions
     assert len(applied) == 200
