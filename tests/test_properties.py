@@ -34,7 +34,7 @@ pytestmark = pytest.mark.django_db
 
 _keys = itertools.count()
 PROPERTY_SETTINGS = settings(
-    max_examples=int(os.environ.get("DURABLE_PROPERTY_EXAMPLES", 40)),
+    max_examples=int(os.environ.get("DURABLE_PROPERTY_EXAMPLES", 25)),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
@@ -236,7 +236,7 @@ def test_random_operator_actions_and_worker_events_keep_every_job_inside_its_tab
     run_state_machine_as_test(
         JobUnderAbuse,
         settings=settings(
-            PROPERTY_SETTINGS, max_examples=int(os.environ.get("DURABLE_PROPERTY_EXAMPLES", 40)),
+            PROPERTY_SETTINGS, max_examples=int(os.environ.get("DURABLE_PROPERTY_EXAMPLES", 25)),
             stateful_step_count=30,
         ),
     )
