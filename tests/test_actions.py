@@ -485,3 +485,16 @@ def test_a_destination_that_raises_leaves_the_action_unknown_not_lost(run_worker
     assert "the destination raised RuntimeError" in row.last_error
     assert "abc123secret" not in row.last_error
     assert job("t1").state == "unknown_create_ticket"
+
+
+def test_the_operation_can_choose_the_url_and_the_key_header_can_be_renamed(receivers, drive):
+    receiver = receivers(idempotent=False)  # it would insist on its own header name
+    with crm(f"{receiver.url}/{{operation}}", IDEMPOTENCY_HEADER="X-Request-Id"):
+        durable.submit("ticket", "t1", {"destination": "crm", "operation": "actions"})
+        drive(lambda: action("t1").status != OutboxStatus.PENDING)
+
+    # The receiver reads only Idempotency-Key: renamed, the key does not reach it.
+    [applied] = receiver.actions
+    assert applied["key"] is None
+    assert posts(receiver)[0]["path"] == "/actions"
+    assert action("t1").status == OutboxStatus.SUCCEEDED
