@@ -52,6 +52,7 @@ class Counts:
     seconds: float = 0.0
     extra: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
+    duplicates: list = field(default_factory=list)  # each re-run step and what allowed it
 
     @property
     def unexplained(self):
@@ -187,12 +188,13 @@ def stale_writes(events, workflows):
     return stale
 
 
-def duplicate_executions(started, memos, events, hit_pids):
+def duplicate_executions(started, memos, events, hit_pids, log=None):
     """Count re-runs of step bodies and the hits that allowed them.
 
     Returns ``(duplicates, allowed, phantom_memos, details)``. A started body that did
     not commit is a duplicate unless the engine recorded its failure (a retry). It is
-    allowed when its process was killed or paused, or its lease was reclaimed.
+    allowed when its process was killed or paused, or its lease was reclaimed. Each
+    uncommitted run is described in ``log`` (a list), when given.
     """
     committed_by = {}
     retried, reclaimed = set(), defaultdict(set)
@@ -232,6 +234,11 @@ def duplicate_executions(started, memos, events, hit_pids):
         allowed += min(dup, len(hit))
         if len(hit) < dup:
             details.extend(r for r in unfinished if r not in hit)
+        if log is not None:
+            for r in unfinished:
+                why = ("process killed or paused" if r[3] in hit_pids else
+                       "lease reclaimed" if r in hit else "NO KILL OR LEASE LOSS")
+                log.append(f"{r[0]} step {r[1]} attempt {r[2]} by pid {r[3]} did not commit: {why}")
     return duplicates, allowed, phantom, details
 
 
@@ -294,9 +301,11 @@ def count(lab, drill, *, began, effects=None, extra=None):
     logged = {key for key in mine if jobs.get(key, {}).get("workflow") in LOGGING_WORKFLOWS}
     memos = [m for m in StepResult.objects.values("job_id", "step", "attempt")
              if m["job_id"] in logged]
+    duplicates_log = []
     dup, allowed, phantom, unexplained = duplicate_executions(
-        started, memos, events, kills | lab.paused
+        started, memos, events, kills | lab.paused, duplicates_log
     )
+    row.duplicates = duplicates_log
     row.dup_exec, row.dup_exec_hits = dup, allowed
     row.stale = len(stale) + len(phantom)
     for ev in stale[:5]:

@@ -76,6 +76,8 @@ def main(argv=None):
     parser.add_argument("--restart-postgres", action="store_true",
                         help="include the PostgreSQL restart in the small size")
     parser.add_argument("--keep", action="store_true", help="keep the logs directory")
+    parser.add_argument("--verbose", "-v", action="store_true",
+                        help="list every duplicate execution and what allowed it")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
@@ -131,6 +133,9 @@ def main(argv=None):
         print(f"- {row.drill}: {figures}")
         for note in row.notes:
             print(f"    note: {note}")
+        if args.verbose:
+            for line in row.duplicates:
+                print(f"    duplicate: {line}")
         if problems or _drill_specific(row):
             status = 1
             print(f"    MISSED: {'; '.join(problems + _drill_specific(row))}")
