@@ -51,15 +51,17 @@ class Size:
 SIZES = {
     "small": Size(
         name="small", fault_jobs=4, random_jobs=0, random_probability=0.0, random_workers=2,
-        storm_jobs=150, storm_workers=4, storm_kill_every=1.0, hold_jobs=2, terminate_jobs=80,
-        terminate_every=0.5, terminate_rounds=8, restart_postgres=False, skew_jobs=10, contention_jobs=120,
-        contention_workers=4, matrix_jobs=2, settle_timeout=60,
+        storm_jobs=150, storm_workers=4, storm_kill_every=1.0, hold_jobs=2,
+        terminate_jobs=80, terminate_every=0.5, terminate_rounds=8, restart_postgres=False,
+        skew_jobs=10, contention_jobs=120, contention_workers=4, matrix_jobs=2,
+        settle_timeout=60,
     ),
     "release": Size(
         name="release", fault_jobs=20, random_jobs=4000, random_probability=0.02,
         random_workers=4, storm_jobs=10_000, storm_workers=8, storm_kill_every=3.0, hold_jobs=6,
-        terminate_jobs=1500, terminate_every=1.0, terminate_rounds=120, restart_postgres=True, skew_jobs=100,
-        contention_jobs=2000, contention_workers=4, matrix_jobs=25, settle_timeout=300,
+        terminate_jobs=1500, terminate_every=1.0, terminate_rounds=120, restart_postgres=True,
+        skew_jobs=100, contention_jobs=2000, contention_workers=4, matrix_jobs=25,
+        settle_timeout=300,
     ),
 }
 
