@@ -118,6 +118,9 @@ class Destination:
     # The destination applies a replayed idempotency key at most once, so resending
     # an action whose outcome is unknown is safe.
     idempotent = False
+    # Seconds (or a (connect, read) pair) one dispatch or lookup can take at most; the
+    # dispatcher holds a send's lease at least that long. None: unknown, so unbounded.
+    timeout = None
 
     def __init__(self, name="", **options):
         if name:

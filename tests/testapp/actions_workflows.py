@@ -52,6 +52,10 @@ class ReceiverFromEnvironment(Destination):
     def supports_lookup(self):
         return self.current().supports_lookup
 
+    @property
+    def timeout(self):
+        return self.current().timeout
+
     def dispatch(self, request):
         return self.current().dispatch(request)
 
