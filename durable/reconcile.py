@@ -38,9 +38,18 @@ def _check_user(user):
         )
 
 
-def _locked(action_id, version, user):
+def _text(value, what):
+    """Operator text as stored: a NUL (PostgreSQL refuses it in text) is refused here."""
+    value = str(value or "").strip()
+    if "\x00" in value:
+        raise OperatorError(f"The {what} contains a NUL character; nothing changed")
+    return value
+
+
+def _locked(action_id, version, user, reason=""):
     """Lock the action and its job, and refuse when the operator's view is stale."""
     _check_user(user)
+    _text(reason, "reason")
     try:
         row = Outbox.objects.select_for_update().get(pk=action_id)
     except (Outbox.DoesNotExist, ValueError, TypeError):
@@ -119,7 +128,7 @@ def _bump(row, **fields):
 def lookup_again(action_id, *, version, user=None, reason=""):
     """Ask the dispatcher to look the action up at its destination once more."""
     with transaction.atomic():
-        ctx = _locked(action_id, version, user)
+        ctx = _locked(action_id, version, user, reason)
         _require(ctx, _UNSETTLED, "look it up again")
         if ctx.destination is None or not ctx.destination.supports_lookup:
             raise OperatorError(
@@ -139,14 +148,14 @@ def lookup_again(action_id, *, version, user=None, reason=""):
 
 def mark_happened(action_id, remote_id, *, version, user=None, reason=""):
     """Record that the action did happen (with the destination's id for it); the job advances."""
-    remote_id = str(remote_id or "").strip()
+    remote_id = _text(remote_id, "remote id")
     if not remote_id:
         raise OperatorError("Give the remote id the destination shows for this action")
     if len(remote_id) > 255:
         raise OperatorError("The remote id is longer than 255 characters")
     finished = None
     with transaction.atomic():
-        ctx = _locked(action_id, version, user)
+        ctx = _locked(action_id, version, user, reason)
         _require(ctx, _UNSETTLED, "mark it happened")
         who = _actor(user)
         summary = f"marked happened by {who}" + (f": {reason}" if reason else "")
@@ -169,7 +178,7 @@ def mark_happened(action_id, remote_id, *, version, user=None, reason=""):
 def mark_not_happened(action_id, *, version, user=None, reason=""):
     """Record that the action did not happen: dispatch it again, with the same key."""
     with transaction.atomic():
-        ctx = _locked(action_id, version, user)
+        ctx = _locked(action_id, version, user, reason)
         _require(ctx, _UNSETTLED, "mark it not happened")
         _bump(ctx.row, status=OutboxStatus.PENDING, attempts=0, lookups=0,
               next_attempt_at=Now(), last_error="")
@@ -185,7 +194,7 @@ def mark_not_happened(action_id, *, version, user=None, reason=""):
 def cancel_action(action_id, *, version, user=None, reason=""):
     """Withdraw an action that is not settled; the job goes to the step's failed state."""
     with transaction.atomic():
-        ctx = _locked(action_id, version, user)
+        ctx = _locked(action_id, version, user, reason)
         _require(ctx, (OutboxStatus.PENDING, *_UNSETTLED), "cancel it")
         row = ctx.row
         if row.status == OutboxStatus.PENDING:

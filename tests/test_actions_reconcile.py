@@ -179,6 +179,10 @@ def test_verbs_refuse_a_settled_action_bad_input_and_users_without_permission(
         reconcile.mark_not_happened(999, version=1, user="ops")
     with pytest.raises(OperatorError, match="version must be the number you saw"):
         reconcile.mark_not_happened(row.pk, version="latest", user="ops")
+    with pytest.raises(OperatorError, match="NUL"):
+        reconcile.mark_happened(row.pk, "T-\x001", version=row.version, user="ops")
+    with pytest.raises(OperatorError, match="NUL"):
+        reconcile.cancel_action(row.pk, version=row.version, user="ops", reason="a\x00b")
     nobody = User.objects.create_user("nobody", is_staff=True)
     with pytest.raises(OperatorError, match="may not reconcile actions"):
         reconcile.mark_not_happened(row.pk, version=row.version, user=nobody)
