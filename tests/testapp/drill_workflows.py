@@ -125,6 +125,10 @@ class DrillReceiver(Destination):
     def supports_lookup(self):
         return self._lookup
 
+    @property
+    def timeout(self):
+        return self.current().timeout
+
     def current(self):
         url = os.environ.get(f"DURABLE_DRILL_RECEIVER_{self.name.upper()}", "http://127.0.0.1:9")
         if self._built[0] != url:
