@@ -107,7 +107,8 @@ _SECRET_PATTERNS = [
      r"\1\2[redacted]"),
     (re.compile(r"(?i)\b(bearer|basic|token)\s+[A-Za-z0-9._~+/=-]{6,}"), r"\1 [redacted]"),
     # Secrets in query strings or form bodies.
-    (re.compile(r"(?i)([?&;](?:access_token|token|api_key|apikey|key|secret|password|passwd|sig|signature)=)[^&\s'\"]+"),
+    (re.compile(r"(?i)(\b(?:access_token|refresh_token|client_secret|token|api_key|apikey|secret|password|passwd|sig"
+                r"|signature)=)[^&\s'\"]+"),
      r"\1[redacted]"),
     # Credentials in URLs: scheme://user:password@host
     (re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s:@]+:[^/\s@]+@"), r"\1[redacted]@"),

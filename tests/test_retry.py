@@ -85,3 +85,9 @@ def test_secrets_never_survive_scrubbing():
 
 def test_long_errors_are_truncated():
     assert len(scrub("x" * 10_000, limit=100)) == 100
+
+
+def test_a_secret_parameter_outside_a_query_string_is_scrubbed_too():
+    text = scrub("form body: api_key=SECRET1 password=hunter2; next_page=3")
+    assert "SECRET1" not in text and "hunter2" not in text
+    assert "next_page=3" in text
