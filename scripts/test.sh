@@ -17,6 +17,7 @@
 #   DURABLE_PIP_EXTRA          extra requirements installed with the project
 #   DURABLE_TEST_LEGS          databases to test on (default "sqlite postgres")
 #   DURABLE_SKIP_BROWSER=1     leave out browser tests on every leg
+#   DURABLE_TEST_PROCESSES     parallel pytest processes (default 4; 1 runs serially)
 #
 # Every step runs even if an earlier one failed, so one run shows every problem;
 # the exit status is non-zero if any step failed.
@@ -31,6 +32,7 @@ VENV=${DURABLE_VENV:-.venv}
 PIP_EXTRA=${DURABLE_PIP_EXTRA:-}
 LEGS=${DURABLE_TEST_LEGS:-sqlite postgres}
 SKIP_BROWSER=${DURABLE_SKIP_BROWSER:-0}
+PROCESSES=${DURABLE_TEST_PROCESSES:-4}
 CI=${CI:-false}
 DURABLE_TEST_POSTGRES_URL=${DURABLE_TEST_POSTGRES_URL:-postgres://postgres@127.0.0.1:5432/test}
 export DURABLE_TEST_POSTGRES_URL
@@ -122,6 +124,12 @@ run_pytest() {
         marker="($user_marker) and ($leg_marker)"
     else
         marker="$user_marker$leg_marker"
+    fi
+    # Most of the suite's time is spent waiting on real worker processes (leases
+    # expiring, receivers replying), not computing: several test processes overlap
+    # those waits. Each has its own test database (pytest-django adds a suffix).
+    if [ "$PROCESSES" != 0 ] && [ "$PROCESSES" != 1 ]; then
+        set -- -n "$PROCESSES" "$@"
     fi
     if [ -n "$marker" ]; then
         DURABLE_TEST_DATABASE=$database "$PYTHON" -m pytest -m "$marker" "$@"
