@@ -20,6 +20,7 @@ from django.views.decorators.http import require_http_methods
 from . import approvals, locking
 from .exceptions import DecisionForbidden, DecisionRefused
 from .models import Approval, ApprovalStatus
+from .views import refuse_nul
 
 RECENT = 20
 
@@ -68,7 +69,7 @@ class ApprovalViews:
     @staticmethod
     def _page(view, *methods):
         # A page that decides must never be framed: a framed button is a clickjacking target.
-        return xframe_options_deny(require_http_methods(list(methods))(view))
+        return xframe_options_deny(require_http_methods(list(methods))(refuse_nul(view)))
 
     def _url(self, name, *args):
         return reverse(f"{self.admin_site.name}:{name}", args=args)

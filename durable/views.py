@@ -22,7 +22,7 @@ from django.contrib.admin.options import IncorrectLookupParameters
 from django.contrib.admin.utils import quote, unquote
 from django.core.exceptions import PermissionDenied
 from django.core.serializers.json import DjangoJSONEncoder
-from django.http import Http404, HttpResponseRedirect
+from django.http import Http404, HttpResponseBadRequest, HttpResponseRedirect
 from django.shortcuts import get_object_or_404
 from django.template.response import TemplateResponse
 from django.urls import NoReverseMatch, path, reverse
@@ -210,6 +210,27 @@ def _back(request, fallback):
     return fallback
 
 
+def refuse_nul(view):
+    """Answer 400 to a request whose path or form carries a NUL character.
+
+    PostgreSQL refuses NUL in text at the first write (SQLite stores it), so such input
+    would be a server error halfway through a verb instead of a clear refusal up front.
+    """
+
+    @functools.wraps(view)
+    def checked(request, *args, **kwargs):
+        values = [request.path, *request.GET.values(), *request.POST.values(),
+                  *(str(v) for v in kwargs.values())]
+        if any("\x00" in value for value in values):
+            return HttpResponseBadRequest(
+                "The request contains a NUL character, which cannot be stored. Nothing was changed.",
+                content_type="text/plain; charset=utf-8",
+            )
+        return view(request, *args, **kwargs)
+
+    return checked
+
+
 def page(admin_site, view, *methods, model_admin=None):
     """Wrap a console view: refuse framing, allow ``methods``, staff only, CSRF, never cached."""
 
@@ -221,7 +242,9 @@ def page(admin_site, view, *methods, model_admin=None):
         except Refused as exc:
             return in_utc(_refused, request, admin_site, exc)
 
-    return admin_site.admin_view(xframe_options_deny(require_http_methods(list(methods))(bound)))
+    return admin_site.admin_view(
+        xframe_options_deny(require_http_methods(list(methods))(refuse_nul(bound)))
+    )
 
 
 def in_utc(view, request, *args, **kwargs):
