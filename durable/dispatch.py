@@ -897,34 +897,10 @@ def fail(ctx, error, *, actor, kind=EventKind.FAILED, data=None):
 class OutboxWaiter(Waiter):
     """Sleeps an idle dispatcher until an action is queued or becomes due."""
 
-    def _listen_connection(self):
-        if self._listen is None:
-            conn = super()._listen_connection()
-            # The job workers' channel is of no interest here; the outbox's is.
-            conn.execute("UNLISTEN durable_jobs")
-            conn.execute(f"LISTEN {OUTBOX_CHANNEL}")
-        return self._listen
+    channel = OUTBOX_CHANNEL
 
-    def wait(self, stopping):
-        timeout = self.poll_interval
-        due = next_due()
-        if due is not None:
-            timeout = max(0.0, min(timeout, (due - locking.db_now()).total_seconds()))
-        if timeout <= 0:
-            return
-        if connection.vendor == "postgresql" and durable_settings.LISTEN:
-            try:
-                conn = self._listen_connection()
-                for _ in conn.notifies(timeout=timeout, stop_after=1):
-                    pass
-                return
-            except Exception as exc:  # noqa: BLE001 - fall back to polling, never die here
-                logger.warning("LISTEN failed, polling instead: %s", exc)
-                self.close()
-        if connection.vendor == "sqlite":
-            self._wait_sqlite(timeout, stopping)
-        else:
-            self._sleep(timeout, stopping)
+    def next_due(self):
+        return next_due()
 
 
 __all__ = ["Dispatcher", "action_identity", "claim_actions", "enqueue_action",

@@ -98,9 +98,15 @@ class Heartbeat(threading.Thread):
 class Waiter:
     """Sleeps an idle worker until new work may exist, as cheaply as the database allows."""
 
+    # What an idle waiter listens to on PostgreSQL, and when its next work falls due.
+    channel = "durable_jobs"
+
     def __init__(self, poll_interval):
         self.poll_interval = poll_interval
         self._listen = None
+
+    def next_due(self):
+        return locking.next_due()
 
     def _listen_connection(self):
         if self._listen is None:
@@ -117,14 +123,14 @@ class Waiter:
                 conn = psycopg.connect(**params, autocommit=True)
             # A connection of its own: LISTEN does not survive PgBouncer's
             # transaction pooling, and must not share the ORM's transactions.
-            conn.execute("LISTEN durable_jobs")
+            conn.execute(f"LISTEN {self.channel}")
             self._listen = conn
         return self._listen
 
     def wait(self, stopping):
         """Return after new work was signalled, something became due, or the poll interval."""
         timeout = self.poll_interval
-        due = locking.next_due()
+        due = self.next_due()
         if due is not None:
             timeout = max(0.0, min(timeout, (due - locking.db_now()).total_seconds()))
         if timeout <= 0:
