@@ -39,6 +39,7 @@ from .models import (
     OutboxStatus,
     StepResult,
 )
+from .services import _actor, _admin_log
 from .workflows import Action, Context, registry
 
 logger = logging.getLogger("durable.approvals")
@@ -448,14 +449,6 @@ def _send_back(row, job, states, approval, status, why):
 # Decisions -------------------------------------------------------------------------------
 
 
-def _actor(user):
-    if user is None:
-        return "system"
-    if isinstance(user, str):
-        return user
-    return user.get_username()
-
-
 def _is_person(user):
     return user is not None and not isinstance(user, str) and getattr(user, "pk", None)
 
@@ -465,21 +458,6 @@ def can_decide(user):
     if user is None or isinstance(user, str):
         return True
     return user.is_active and user.has_perm(PERMISSION)
-
-
-def _admin_log(user, approval, message):
-    if not _is_person(user):
-        return
-    from django.apps import apps
-
-    if not apps.is_installed("django.contrib.admin"):
-        return
-    from django.contrib.admin.models import CHANGE, LogEntry
-
-    LogEntry.objects.log_actions(
-        user_id=user.pk, queryset=[approval], action_flag=CHANGE, change_message=message,
-        single_object=True,
-    )
 
 
 def _describe(approval):

@@ -140,7 +140,8 @@ def _actor(user):
     return user.get_username()
 
 
-def _admin_log(user, job, message):
+def _admin_log(user, obj, message):
+    """Record a person's action in Django's admin log (the CLI's string users are not logged)."""
     if user is None or isinstance(user, str) or not getattr(user, "pk", None):
         return
     from django.apps import apps
@@ -150,7 +151,7 @@ def _admin_log(user, job, message):
     from django.contrib.admin.models import CHANGE, LogEntry
 
     LogEntry.objects.log_actions(
-        user_id=user.pk, queryset=[job], action_flag=CHANGE, change_message=message,
+        user_id=user.pk, queryset=[obj], action_flag=CHANGE, change_message=message,
         single_object=True,
     )
 
