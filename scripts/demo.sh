@@ -17,30 +17,6 @@ set -eu
 
 cd "$(dirname "$0")/.."
 
-PYTHON_FOR_VENV=${DURABLE_PYTHON:-python3}
-VENV=${DURABLE_VENV:-.venv}
-
-if [ ! -x "$VENV/bin/python" ]; then
-    echo "==> Creating $VENV with $PYTHON_FOR_VENV"
-    if ! "$PYTHON_FOR_VENV" -m venv "$VENV"; then
-        echo "Could not create a virtualenv. On Debian or Ubuntu: apt-get install python3-venv" >&2
-        exit 1
-    fi
-fi
-PYTHON="$VENV/bin/python"
-
-# The same stamp as scripts/test.sh: an unchanged pyproject.toml installs nothing.
-stamp="$VENV/.installed-$("$PYTHON" -c '
-import hashlib, sys
-digest = hashlib.sha256(open("pyproject.toml", "rb").read())
-digest.update(sys.argv[1].encode())
-print(digest.hexdigest()[:16])
-' "")"
-if [ ! -f "$stamp" ]; then
-    echo "==> Installing the project into $VENV (once)"
-    "$PYTHON" -m pip install --quiet --disable-pip-version-check -e '.[test]'
-    rm -f "$VENV"/.installed-*
-    touch "$stamp"
-fi
+. scripts/venv.sh
 
 exec "$PYTHON" manage.py demo "$@"

@@ -27,9 +27,6 @@ set -f
 
 cd "$(dirname "$0")/.."
 
-PYTHON_FOR_VENV=${DURABLE_PYTHON:-python3}
-VENV=${DURABLE_VENV:-.venv}
-PIP_EXTRA=${DURABLE_PIP_EXTRA:-}
 LEGS=${DURABLE_TEST_LEGS:-sqlite postgres}
 SKIP_BROWSER=${DURABLE_SKIP_BROWSER:-0}
 PROCESSES=${DURABLE_TEST_PROCESSES:-4}
@@ -49,30 +46,7 @@ fail() {
 
 # Virtualenv and dependencies
 
-if [ ! -x "$VENV/bin/python" ]; then
-    heading "Creating $VENV with $PYTHON_FOR_VENV"
-    if ! "$PYTHON_FOR_VENV" -m venv "$VENV"; then
-        echo "Could not create a virtualenv. On Debian or Ubuntu: apt-get install python3-venv" >&2
-        exit 1
-    fi
-fi
-PYTHON="$VENV/bin/python"
-
-# The stamp names what was installed: a changed pyproject.toml or extra
-# requirement installs again, an unchanged one costs nothing.
-stamp="$VENV/.installed-$("$PYTHON" -c '
-import hashlib, sys
-digest = hashlib.sha256(open("pyproject.toml", "rb").read())
-digest.update(sys.argv[1].encode())
-print(digest.hexdigest()[:16])
-' "$PIP_EXTRA")"
-if [ ! -f "$stamp" ]; then
-    heading "Installing the project and its test dependencies into $VENV"
-    # shellcheck disable=SC2086  # PIP_EXTRA holds zero or more requirement specs
-    "$PYTHON" -m pip install --quiet --disable-pip-version-check -e '.[test]' $PIP_EXTRA
-    rm -f "$VENV"/.installed-*
-    touch "$stamp"
-fi
+. scripts/venv.sh
 "$PYTHON" -c 'import django, sys; print(f"Python {sys.version.split()[0]}, Django {django.__version__}")'
 
 # Static checks
