@@ -138,8 +138,12 @@ class Waiter:
         if connection.vendor == "postgresql" and durable_settings.LISTEN:
             try:
                 conn = self._listen_connection()
-                for _ in conn.notifies(timeout=timeout, stop_after=1):
-                    pass
+                deadline = time.monotonic() + timeout
+                # In short slices, so a SIGTERM (which only sets a flag) is noticed promptly.
+                while not stopping() and time.monotonic() < deadline:
+                    slice_ = min(0.5, deadline - time.monotonic())
+                    if any(True for _ in conn.notifies(timeout=slice_, stop_after=1)):
+                        return
                 return
             except Exception as exc:  # noqa: BLE001 - fall back to polling, never die here
                 logger.warning("LISTEN failed, polling instead: %s", exc)

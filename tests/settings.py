@@ -48,7 +48,7 @@ DURABLE = {
     "STEP_TIMEOUT": float(os.environ.get("DURABLE_STEP_TIMEOUT", 30)),
     "BACKOFF_BASE": float(os.environ.get("DURABLE_BACKOFF_BASE", 1.0)),
     "BACKOFF_CAP": float(os.environ.get("DURABLE_BACKOFF_CAP", 300.0)),
-    "POLL_INTERVAL": 0.2,
+    "POLL_INTERVAL": float(os.environ.get("DURABLE_POLL_INTERVAL", 0.2)),
     "SHUTDOWN_GRACE": 10.0,
 }
 

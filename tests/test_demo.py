@@ -6,6 +6,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from contextlib import closing
 from decimal import Decimal
 
 import pytest
@@ -209,21 +210,18 @@ def test_the_demo_runs_end_to_end_kills_a_worker_and_loses_nothing(tmp_path):
            "DATABASE_URL": f"sqlite:///{db}", "PYTHONUNBUFFERED": "1"}
     for name in ("DURABLE_TEST_WORKER", "DURABLE_TEST_SQLITE", "DURABLE_FAULT_POINT"):
         env.pop(name, None)
-    began = time.monotonic()
     done = subprocess.run(
         [sys.executable, str(ROOT / "manage.py"), "demo", "--no-server", "--docs", "12",
          "--speed", "0.5", "--lease", "10", "--timeout", "120"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
     )
-    elapsed = time.monotonic() - began
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
     assert "operator login: operator / " in out
     assert "SIGKILL worker pid" in out
     assert "taken over by" in out
-    assert elapsed < 120, out
 
-    with sqlite3.connect(db) as conn:
+    with closing(sqlite3.connect(db)) as conn:
         states = dict(conn.execute("SELECT state, COUNT(*) FROM durable_job GROUP BY state"))
         killed = out.split("while it was extracting ")[1].split()[0]
         reclaimed = conn.execute("SELECT COUNT(*) FROM durable_jobevent WHERE job_id = ? AND"
