@@ -52,9 +52,25 @@ def start_workers(args, processes, *, burst, name="workers", dispatcher=False):
     return proc
 
 
-def wait_rusage(proc):
-    """Reap ``proc`` and return (exit code, rusage of it and every descendant it reaped)."""
-    _, status, usage = os.wait4(proc.pid, 0)
+def wait_rusage(proc, timeout=None):
+    """Reap ``proc`` and return (exit code, rusage of it and every descendant it reaped).
+
+    Past ``timeout`` seconds the process group is killed and the figure fails, rather
+    than the whole run waiting on a burst that never ends.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while deadline is not None:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            os.wait4(proc.pid, 0)
+            proc.log.close()
+            raise RuntimeError(f"runworkers did not finish within {timeout}s; see {proc.log.name}")
+        time.sleep(0.05)
+    else:
+        _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
     proc.log.close()
     return proc.returncode, usage
@@ -65,7 +81,7 @@ def burst(args, processes, dispatcher=False):
     began = time.perf_counter()
     proc = start_workers(args, processes, burst=True, name=f"burst-p{processes}",
                          dispatcher=dispatcher)
-    code, usage = wait_rusage(proc)
+    code, usage = wait_rusage(proc, args.get("burst_timeout", 900))
     wall = time.perf_counter() - began
     if code != 0:
         raise RuntimeError(f"runworkers --burst exited {code}; see {proc.log.name}")

@@ -206,6 +206,11 @@ class Bench:
                "busy_before": getattr(self, "busy_before", None),
                "fsync_ms_before": getattr(self, "fsync_before", None), "load1": os.getloadavg()[0]}
         self.records.append(rec)
+        # Keep what was measured so far, should a later figure hang or the run be stopped.
+        partial = Path(self.args.json).with_suffix(".partial.jsonl")
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        with open(partial, "a") as f:
+            f.write(json.dumps(rec, default=str) + "\n")
         return rec
 
     def attempt(self, what, func, *args):
@@ -423,6 +428,7 @@ def main(argv=None):
     result["summary"] = summarise(result)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+    Path(args.json).with_suffix(".partial.jsonl").unlink(missing_ok=True)
     print(render_table(result))
     print(f"\nJSON: {args.json}")
     if args.markdown:
