@@ -53,7 +53,8 @@ class Job(models.Model):
     wake_at = models.DateTimeField(_("wake at"), null=True, blank=True)
     last_error = models.TextField(_("last error"), blank=True, default="")
     submitted_by = models.CharField(_("submitted by"), max_length=150, blank=True, default="")
-    created = models.DateTimeField(_("created"), auto_now_add=True)
+    # Stamped by the database clock, like every time durable compares.
+    created = models.DateTimeField(_("created"), db_default=Now())
     updated = models.DateTimeField(_("updated"), auto_now=True)
 
     objects = JobQuerySet.as_manager()
@@ -107,7 +108,7 @@ class StepResult(models.Model):
     duration = models.DurationField(_("duration"))
     attempt = models.PositiveIntegerField(_("attempt"), default=1)
     workflow = models.CharField(_("workflow"), max_length=100)
-    at = models.DateTimeField(_("at"), auto_now_add=True)
+    at = models.DateTimeField(_("at"), db_default=Now())
 
     class Meta:
         verbose_name = _("step result")
@@ -195,7 +196,7 @@ class Outbox(models.Model):
     last_error = models.TextField(_("last error"), blank=True, default="")
     # Bumped on every change: operator decisions are bound to the version they saw.
     version = models.PositiveIntegerField(_("version"), default=1)
-    created = models.DateTimeField(_("created"), auto_now_add=True)
+    created = models.DateTimeField(_("created"), db_default=Now())
     updated = models.DateTimeField(_("updated"), auto_now=True)
 
     objects = OutboxQuerySet.as_manager()
@@ -248,7 +249,7 @@ class Approval(models.Model):
         choices=ApprovalStatus.choices,
         default=ApprovalStatus.REQUESTED,
     )
-    requested_at = models.DateTimeField(_("requested at"), auto_now_add=True)
+    requested_at = models.DateTimeField(_("requested at"), db_default=Now())
     expires_at = models.DateTimeField(_("expires at"))
     decided_by = models.ForeignKey(
         settings.AUTH_USER_MODEL,
@@ -286,7 +287,7 @@ class Pause(models.Model):
 
     workflow = models.CharField(_("workflow"), max_length=100, primary_key=True)
     paused_by = models.CharField(_("paused by"), max_length=150, blank=True, default="")
-    paused_at = models.DateTimeField(_("paused at"), auto_now_add=True)
+    paused_at = models.DateTimeField(_("paused at"), db_default=Now())
     reason = models.TextField(_("reason"), blank=True, default="")
 
     class Meta:
@@ -314,7 +315,7 @@ class JobEvent(models.Model):
     """Append-only history of every transition and operator action: the audit log."""
 
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="events")
-    at = models.DateTimeField(_("at"), auto_now_add=True)
+    at = models.DateTimeField(_("at"), db_default=Now())
     kind = models.CharField(
         _("kind"), max_length=max(len(v) for v in EventKind.values), choices=EventKind.choices
     )
