@@ -221,7 +221,7 @@ def render_table(result):
         for row in body:
             lines.append("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=False)))
     if result["errors"]:
-        lines += ["", "ERRORS:", *result["errors"]]
+        lines += ["", "ERRORS:", *[_short(e) for e in result["errors"]]]
     return "\n".join(lines)
 
 
@@ -242,5 +242,11 @@ def render_markdown(result):
             lines += [f"## Claim query plan on {db} with {big['finished_jobs']:,} finished jobs",
                       "", "```", big["plan"], "```", ""]
     if result["errors"]:
-        lines += ["## Errors", ""] + [f"- {e}" for e in result["errors"]]
+        lines += ["## Errors", ""] + [f"- {_short(e)}" for e in result["errors"]]
     return "\n".join(lines) + "\n"
+
+
+def _short(error):
+    """An error's first line and its last (the exception), not the whole traceback."""
+    parts = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return parts[0] if len(parts) < 2 else f"{parts[0]} … {parts[-1]}"
