@@ -292,3 +292,106 @@ __all__ = [
     "Claimed", "claim_job", "db_now", "next_due", "notify", "now_plus", "release",
     "renew_lease", "transition",
 ]
+
+
+# The step commit: the worker's hot path ---------------------------------------------------
+
+_PG_COMPLETE = """
+WITH moved AS (
+    UPDATE durable_job
+    SET state = %(to)s,
+        updated = statement_timestamp(),
+        attempts = %(attempts)s,
+        lease_until = CASE WHEN %(keep)s
+                           THEN statement_timestamp() + %(lease)s * interval '1 second' END,
+        lease_owner = CASE WHEN %(keep)s THEN lease_owner END,
+        next_run_at = CASE WHEN %(keep)s
+                           THEN statement_timestamp() + %(lease)s * interval '1 second'
+                           WHEN %(terminal)s THEN NULL
+                           ELSE statement_timestamp() END,
+        wake_at = NULL,
+        last_error = '',
+        result = CASE WHEN %(terminal)s THEN %(result)s::jsonb ELSE result END
+    WHERE id = %(id)s AND state = %(frm)s AND lease_token = %(token)s
+      AND lease_until >= statement_timestamp()
+    RETURNING id
+), events AS (
+    INSERT INTO durable_jobevent (job_id, at, kind, from_state, to_state, step, actor, message, data)
+    SELECT moved.id, statement_timestamp(), %(kind)s, e.from_state, e.to_state, %(step)s,
+           %(actor)s, '', %(data)s::jsonb
+    FROM moved, unnest(%(froms)s::text[], %(tos)s::text[]) WITH ORDINALITY AS e(from_state, to_state, n)
+    ORDER BY e.n
+), memo AS (
+    INSERT INTO durable_stepresult (job_id, step, output, cost, duration, attempt, workflow, at)
+    SELECT moved.id, %(step)s, %(output)s::jsonb, %(cost)s, %(micros)s * interval '1 microsecond',
+           %(attempt)s, %(workflow)s, statement_timestamp()
+    FROM moved WHERE %(write_memo)s
+)
+SELECT count(*) FROM moved
+"""
+
+_SQLITE_COMPLETE = f"""
+UPDATE durable_job
+SET state = %s,
+    updated = {_SQLITE_NOW.replace('%', '%%')},
+    attempts = %s,
+    lease_until = CASE WHEN %s THEN strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now', %s) END,
+    lease_owner = CASE WHEN %s THEN lease_owner END,
+    next_run_at = CASE WHEN %s THEN strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now', %s)
+                       WHEN %s THEN NULL
+                       ELSE {_SQLITE_NOW.replace('%', '%%')} END,
+    wake_at = NULL,
+    last_error = '',
+    result = CASE WHEN %s THEN %s ELSE result END
+WHERE id = %s AND state = %s AND lease_token = %s AND lease_until >= {_SQLITE_NOW.replace('%', '%%')}
+"""
+
+
+def complete_step(claimed, path, *, keep, terminal, lease_seconds, attempts, result_json,
+                  kind, step, actor, data_json, memo):
+    """Advance a leased job along ``path`` and write its events and memo: one fenced write.
+
+    The same effect as ``transition()`` plus a ``StepResult`` insert, written as raw SQL
+    because it runs once per step on every worker: on PostgreSQL it is a single
+    statement (the inserts read the UPDATE's RETURNING, so a fenced-out worker inserts
+    nothing) and a single round trip. The caller has checked the edges and holds the
+    transaction; returns False, having written nothing, when the lease was lost or the
+    job moved. ``memo`` is None or (output_json, cost, duration, attempt, workflow).
+    """
+    frm, to = claimed.state, path[-1]
+    froms = [frm, *path[:-1]]
+    with connection.cursor() as cursor:
+        if is_postgres():
+            output_json, cost, duration, attempt, workflow = memo or ("null", 0, datetime.timedelta(0), 0, "")
+            cursor.execute(_PG_COMPLETE, {
+                "to": to, "attempts": attempts, "keep": keep, "lease": float(lease_seconds),
+                "terminal": terminal, "result": result_json, "id": claimed.id, "frm": frm,
+                "token": claimed.lease_token, "kind": kind, "step": step, "actor": actor,
+                "data": data_json, "froms": froms, "tos": list(path), "output": output_json,
+                "cost": cost, "micros": int(duration / datetime.timedelta(microseconds=1)),
+                "attempt": attempt, "workflow": workflow, "write_memo": memo is not None,
+            })
+            return cursor.fetchone()[0] == 1
+        modifier = f"+{float(lease_seconds)} seconds"
+        cursor.execute(_SQLITE_COMPLETE, [
+            to, attempts, keep, modifier, keep, keep, modifier, terminal, terminal, result_json,
+            claimed.id, frm, claimed.lease_token,
+        ])
+        if cursor.rowcount != 1:
+            return False
+        now = _SQLITE_NOW
+        rows = ", ".join(f"(%s, {now.replace('%', '%%')}, %s, %s, %s, %s, %s, '', %s)" for _ in path)
+        params = []
+        for f, t in zip(froms, path, strict=True):
+            params += [claimed.id, kind, f, t, step, actor, data_json]
+        cursor.execute(
+            "INSERT INTO durable_jobevent (job_id, at, kind, from_state, to_state, step, actor,"
+            f" message, data) VALUES {rows}", params)
+        if memo is not None:
+            output_json, cost, duration, attempt, workflow = memo
+            cursor.execute(
+                "INSERT INTO durable_stepresult (job_id, step, output, cost, duration, attempt,"
+                f" workflow, at) VALUES (%s, %s, %s, %s, %s, %s, %s, {now.replace('%', '%%')})",
+                [claimed.id, step, output_json, str(cost),
+                 int(duration / datetime.timedelta(microseconds=1)), attempt, workflow])
+        return True

@@ -11,11 +11,10 @@ import time
 from decimal import Decimal
 
 from django.db import DataError, transaction
-from django.db.models.functions import Now
 
 from . import faults, locking
 from .conf import durable_settings
-from .exceptions import UnknownWorkflow
+from .exceptions import IllegalTransition, UnknownWorkflow
 from .models import EventKind, Job, JobEvent, StepResult
 from .retry import backoff, classify, describe, scrub
 from .serialization import storable_json
@@ -222,22 +221,13 @@ class Runner:
         terminal = table.is_terminal(states.done)
         keep_going = nxt is not None and not self.stopping
         path = [states.done, nxt.working] if keep_going else [states.done]
-        if keep_going:
-            until = locking.now_plus(self.lease_seconds)
-            fields = {"attempts": 1, "lease_until": until, "next_run_at": until, "wake_at": None,
-                      "last_error": ""}
-        else:
-            fields = {"attempts": 0, "lease_until": None, "lease_owner": None, "wake_at": None,
-                      "next_run_at": None if terminal else Now(), "last_error": ""}
-        if terminal:
-            fields["result"] = output
         if terminal:
             faults.point("before_final_transition")
         following = None
         try:
             with transaction.atomic():
-                ok = self._commit_step(started, path, fields, output, cost, duration, write_memo,
-                                       keep_going)
+                ok = self._commit_step(started, path, output, cost, duration, write_memo,
+                                       keep_going, terminal)
                 if ok and not keep_going and self.chain and not self.stopping:
                     following = self._claim_and_start()
         except DataError as exc:
@@ -268,19 +258,27 @@ class Runner:
         claimed.wake_at = None
         return started
 
-    def _commit_step(self, started, path, fields, output, cost, duration, write_memo, keep_going):
+    def _commit_step(self, started, path, output, cost, duration, write_memo, keep_going, terminal):
         claimed, step = started.claimed, started.step
-        ok = locking.transition(
-            claimed, path, token=claimed.lease_token, actor=self.owner, step=step.name,
-            table=started.table, kind=EventKind.STEP_DONE, fields=fields,
-            data={"attempt": started.attempt, "cost": str(cost),
-                  "ms": round(duration.total_seconds() * 1000, 3)},
+        table = started.table
+        current = claimed.state
+        for to in path:  # the table is checked here, as transition() would
+            if not table.allows(current, to):
+                raise IllegalTransition(f"{claimed.workflow}: {current} -> {to} is not in the transition table")
+            current = to
+        output_json = storable_json(output)
+        data = {"attempt": started.attempt, "cost": str(cost),
+                "ms": round(duration.total_seconds() * 1000, 3)}
+        ok = locking.complete_step(
+            claimed, path, keep=keep_going, terminal=terminal, lease_seconds=self.lease_seconds,
+            attempts=1 if keep_going else 0, result_json=output_json if terminal else None,
+            kind=EventKind.STEP_DONE.value, step=step.name, actor=self.owner,
+            data_json=json.dumps(data),
+            memo=(output_json, cost, duration, started.attempt, started.workflow.name)
+            if write_memo else None,
         )
-        if ok and write_memo:
-            StepResult.objects.create(
-                job_id=claimed.id, step=step.name, output=output, cost=cost,
-                duration=duration, attempt=started.attempt, workflow=started.workflow.name,
-            )
+        if ok:
+            claimed.state = path[-1]
         return ok
 
     def _action(self, started, action, ctx, cost, duration):
