@@ -21,9 +21,7 @@ import datetime
 import hashlib
 import json
 import logging
-import os
 import re
-import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -42,7 +40,7 @@ from .models import EventKind, Job, JobEvent, Outbox, OutboxStatus, Pause, StepR
 from .retry import backoff, scrub
 from .signals import job_finished
 from .states import CANCELLED
-from .worker import Waiter, worker_id
+from .worker import Drains, Waiter, worker_id
 from .workflows import Action, registry
 
 logger = logging.getLogger("durable.dispatch")
@@ -361,8 +359,11 @@ class _Context:
         self.destination = destination
 
 
-class Dispatcher:
+class Dispatcher(Drains):
     """Claims due outbox rows and sends them; one per process (several threads)."""
+
+    # As safe as a crash on a second signal: an attempted row is reconciled by the next claim.
+    draining_message = "recording the actions in flight, then exiting"
 
     def __init__(self, *, name=None, burst=False, lease_seconds=None, poll_interval=None,
                  batch_size=None, threads=None, workflows=None, queues=None,
@@ -380,34 +381,11 @@ class Dispatcher:
         self.threads = int(threads or self.batch_size)
         self.waiter = OutboxWaiter(poll_interval or durable_settings.POLL_INTERVAL)
         self._pool = None
-        self._stopping = False
-        self._signals = 0
         self.processed = 0
-
-    @property
-    def stopping(self):
-        return self._stopping
 
     def stop(self):
         """Stop claiming; rows being sent are recorded, then the loop exits. Idempotent."""
         self._stopping = True
-
-    def install_signal_handlers(self):
-        signal.signal(signal.SIGTERM, self._on_signal)
-        signal.signal(signal.SIGINT, self._on_signal)
-
-    def _on_signal(self, signum, frame):
-        self._signals += 1
-        if self._signals == 1:
-            logger.info("%s received %s: recording the actions in flight, then exiting",
-                        self.name, signal.strsignal(signum))
-            self.stop()
-        else:
-            # As safe as a crash: an attempted row is reconciled by the next claim.
-            logger.warning("%s received %s again: exiting now", self.name,
-                           signal.strsignal(signum))
-            logging.shutdown()
-            os._exit(1)
 
     # The loop --------------------------------------------------------------------------
 

@@ -179,8 +179,41 @@ class Waiter:
             self._listen = None
 
 
-class Worker:
+class Drains:
+    """Signal handling shared by the worker and the dispatcher loops.
+
+    The first SIGTERM or SIGINT calls ``stop()`` (finish what is in hand, claim nothing
+    new); the second exits at once, which is as safe as a crash: leases expire.
+    """
+
+    draining_message = "finishing what is in hand, then exiting"
+    _stopping = False
+    _signals = 0
+
+    @property
+    def stopping(self):
+        return self._stopping
+
+    def install_signal_handlers(self):
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+
+    def _on_signal(self, signum, frame):
+        self._signals += 1
+        if self._signals == 1:
+            logger.info("%s received %s: %s", self.name, signal.strsignal(signum),
+                        self.draining_message)
+            self.stop()
+        else:
+            logger.warning("%s received %s again: exiting now", self.name, signal.strsignal(signum))
+            logging.shutdown()
+            os._exit(1)
+
+
+class Worker(Drains):
     """One worker process's loop."""
+
+    draining_message = "finishing the current step, then exiting"
 
     def __init__(self, *, name=None, workflows=None, queues=None, burst=False,
                  lease_seconds=None, poll_interval=None):
@@ -193,33 +226,12 @@ class Worker:
         self.runner = Runner(self.name, self.heartbeat, self.lease_seconds, self.workflows,
                              self.queues)
         self.waiter = Waiter(poll_interval or durable_settings.POLL_INTERVAL)
-        self._stopping = False
-        self._signals = 0
         self.steps_run = 0
-
-    @property
-    def stopping(self):
-        return self._stopping
 
     def stop(self):
         """Stop claiming; the current step finishes and the loop exits. Idempotent."""
         self._stopping = True
         self.runner.stopping = True
-
-    def install_signal_handlers(self):
-        signal.signal(signal.SIGTERM, self._on_signal)
-        signal.signal(signal.SIGINT, self._on_signal)
-
-    def _on_signal(self, signum, frame):
-        self._signals += 1
-        if self._signals == 1:
-            logger.info("%s received %s: finishing the current step, then exiting",
-                        self.name, signal.strsignal(signum))
-            self.stop()
-        else:
-            logger.warning("%s received %s again: exiting now", self.name, signal.strsignal(signum))
-            logging.shutdown()
-            os._exit(1)
 
     def run(self):
         faults.configure()
