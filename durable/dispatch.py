@@ -432,7 +432,12 @@ class Dispatcher(Drains):
             return False
         if not self.wait_for_workers:
             return True
-        busy = Job.objects.filter(Q(next_run_at__lte=Now()) | Q(lease_until__gte=Now()))
+        # Jobs being worked, or due and never leased since their last release. A job
+        # whose lease expired (its worker died) is left out: burst workers may all have
+        # exited, and waiting for it would never end; it stays visible as stuck.
+        busy = Job.objects.filter(
+            Q(lease_until__gte=Now()) | Q(next_run_at__lte=Now(), lease_until__isnull=True)
+        )
         if self.workflows:
             busy = busy.filter(workflow__in=self.workflows)
         if self.queues:

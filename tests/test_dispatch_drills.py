@@ -167,3 +167,31 @@ def test_an_idle_dispatcher_wakes_at_once_when_an_action_is_queued(receiver, run
         thread.join(10)
     assert not thread.is_alive()
     assert latency < 1.5
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_burst_dispatcher_waits_for_a_live_worker_but_not_for_one_that_died():
+    from django.db import transaction
+
+    from durable import locking
+
+    durable.submit("recorded", "orphan", {})
+    with transaction.atomic():
+        locking.claim_job("worker-that-will-die", 60)
+
+    def burst_dispatcher_exits_within(seconds):
+        dispatcher = Dispatcher(name="burst", burst=True, threads=1, poll_interval=0.05)
+        thread = threading.Thread(target=dispatcher.run)
+        thread.start()
+        thread.join(seconds)
+        exited = not thread.is_alive()
+        dispatcher.stop()
+        thread.join(10)
+        return exited
+
+    # A live lease: that worker may still queue an action, so the dispatcher waits.
+    assert not burst_dispatcher_exits_within(1.0)
+    # The worker died (its lease expired): nothing will run the job in this burst.
+    Job.objects.filter(pk="orphan").update(lease_until=locking.now_plus(-1),
+                                           next_run_at=locking.now_plus(-1))
+    assert burst_dispatcher_exits_within(5.0)
