@@ -22,12 +22,11 @@ import hashlib
 import json
 import logging
 import re
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 from django.core.exceptions import ImproperlyConfigured
 from django.core.serializers.json import DjangoJSONEncoder
-from django.db import close_old_connections, connection, connections, transaction
+from django.db import connection, transaction
 from django.db.models import F, Q
 from django.db.models.functions import Now
 from django.db.utils import DatabaseError, InterfaceError
@@ -40,7 +39,7 @@ from .models import EventKind, Job, JobEvent, Outbox, OutboxStatus, Pause, StepR
 from .retry import backoff, scrub
 from .signals import job_finished
 from .states import CANCELLED
-from .worker import Drains, Waiter, worker_id
+from .worker import Drains, Waiter, keep_connections_healthy, worker_id
 from .workflows import Action, registry
 
 logger = logging.getLogger("durable.dispatch")
@@ -397,7 +396,7 @@ class Dispatcher(Drains):
         try:
             while not self._stopping:
                 try:
-                    close_old_connections()
+                    keep_connections_healthy()
                     if self.run_once():
                         failures = 0
                         continue
@@ -406,19 +405,9 @@ class Dispatcher(Drains):
                     self.waiter.wait(lambda: self._stopping)
                     failures = 0
                 except (DatabaseError, InterfaceError) as exc:
-                    # The database went away: start again with fresh connections. A row
-                    # marked attempted stays so and is reconciled after its lease.
+                    # A row marked attempted stays so and is reconciled after its lease.
                     failures += 1
-                    delay = min(30.0, 0.5 * 2 ** min(failures, 6))
-                    logger.warning("%s database error, reconnecting in %.1fs: %s", self.name,
-                                   delay, exc)
-                    for conn in connections.all(initialized_only=True):
-                        try:
-                            conn.close()
-                        except DatabaseError:
-                            pass
-                    self.waiter.close()
-                    time.sleep(delay)
+                    self.recover_from_database_error(exc, failures)
         finally:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)

@@ -225,6 +225,23 @@ class Drains:
             os._exit(1)
 
 
+    def recover_from_database_error(self, exc, failures):
+        """Drop every connection and wait (backing off) before the loop tries again.
+
+        The database went away (restart, killed backend, network blip); nothing is
+        lost: uncommitted work rolls back and leases expire.
+        """
+        delay = min(30.0, 0.5 * 2 ** min(failures, 6))
+        logger.warning("%s database error, reconnecting in %.1fs: %s", self.name, delay, exc)
+        for conn in connections.all(initialized_only=True):
+            try:
+                conn.close()
+            except DatabaseError:
+                pass
+        self.waiter.close()
+        time.sleep(delay)
+
+
 class Worker(Drains):
     """One worker process's loop."""
 
@@ -267,21 +284,8 @@ class Worker(Drains):
                     self.runner.run(started)
                     failures = 0
                 except (DatabaseError, InterfaceError) as exc:
-                    # The database went away (restart, killed backend, network blip).
-                    # Drop every connection and come back with a fresh one; nothing is
-                    # lost: uncommitted work rolls back and leases expire.
                     failures += 1
-                    delay = min(30.0, 0.5 * 2 ** min(failures, 6))
-                    logger.warning("%s database error, reconnecting in %.1fs: %s", self.name,
-                                   delay, exc)
-                    for conn in connections.all(initialized_only=True):
-                        conn.close_if_unusable_or_obsolete()
-                        try:
-                            conn.close()
-                        except DatabaseError:
-                            pass
-                    self.waiter.close()
-                    time.sleep(delay)
+                    self.recover_from_database_error(exc, failures)
         finally:
             self.heartbeat.stop()
             self.waiter.close()
