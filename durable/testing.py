@@ -299,6 +299,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _reply(self, status, payload, *, key=None, headers=None):
         data = json.dumps(payload).encode()
+        # Logged before the reply leaves: a client that has its answer must find it logged.
+        self.receiver._note(self.command, self.path, key, status)
         try:
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
@@ -311,7 +313,6 @@ class _Handler(BaseHTTPRequestHandler):
             # The client gave up waiting (slow_after_acting): exactly the case
             # being simulated, not an error of the receiver.
             self.close_connection = True
-        self.receiver._note(self.command, self.path, key, status)
 
     def _drop(self, key):
         """Close the connection without a reply: the client cannot tell what happened."""

@@ -51,7 +51,7 @@ class Size:
 SIZES = {
     "small": Size(
         name="small", fault_jobs=4, random_jobs=0, random_probability=0.0, random_workers=2,
-        storm_jobs=150, storm_workers=4, storm_kill_every=1.0, hold_jobs=2,
+        storm_jobs=400, storm_workers=4, storm_kill_every=0.5, hold_jobs=2,
         terminate_jobs=80, terminate_every=0.5, terminate_rounds=8, restart_postgres=False,
         skew_jobs=10, contention_jobs=120, contention_workers=4, matrix_jobs=2,
         settle_timeout=60,
