@@ -31,6 +31,10 @@ DEFAULTS = {
     # transaction pooling unless LISTEN_DATABASE_URL points at a direct connection.
     "LISTEN": True,
     "LISTEN_DATABASE_URL": None,
+    # PostgreSQL: prepare the worker's hot statements once per connection. Turn off
+    # behind a pooler that cannot keep prepared statements (PgBouncer before 1.21 in
+    # transaction mode).
+    "PREPARED_STATEMENTS": True,
     # Seconds a SIGTERMed worker gets to finish its current step before it is killed.
     "SHUTDOWN_GRACE": 30.0,
     # Default number of worker processes (None: the CPU count).

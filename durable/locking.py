@@ -13,8 +13,10 @@ from django.db import connection, transaction
 from django.db.models.functions import Now
 from django.utils.dateparse import parse_datetime
 
+from .conf import durable_settings
 from .exceptions import IllegalTransition
 from .models import EventKind, Job, JobEvent
+from .states import StateKind
 
 
 def is_postgres(conn=None):
@@ -54,10 +56,11 @@ class Claimed:
 
     __slots__ = (
         "id", "workflow", "state", "attempts", "lease_token", "payload", "wake_at",
-        "db_now", "previous_owner", "owner",
+        "db_now", "previous_owner", "owner", "started_step",
     )
 
-    def __init__(self, **kw):
+    def __init__(self, started_step=None, **kw):
+        self.started_step = started_step
         for k, v in kw.items():
             setattr(self, k, v)
 
@@ -66,32 +69,121 @@ class Claimed:
         return self.id
 
 
+# The worker's hot statements run on the driver's own cursor: no ORM, no query
+# rewriting, and on PostgreSQL prepared once per connection (server-side binding).
+# Errors still surface as Django's database exceptions.
+
+
+def pg_execute(sql, params):
+    """Execute one hot statement on PostgreSQL; returns the cursor, its rows unread."""
+    import psycopg
+
+    connection.ensure_connection()
+    with connection.wrap_database_errors:
+        cursor = psycopg.Cursor(connection.connection)
+        cursor.execute(sql, params, prepare=durable_settings.PREPARED_STATEMENTS)
+    return cursor
+
+
+def sqlite_execute(sql, params=()):
+    """Execute one hot statement on SQLite's own connection (qmark parameters)."""
+    connection.ensure_connection()
+    with connection.wrap_database_errors:
+        return connection.connection.execute(sql, params)
+
+
+def sqlite_transaction(write):
+    """Run ``write()`` in the caller's transaction, or in one IMMEDIATE transaction of its own.
+
+    Cheaper than ``transaction.atomic()`` for the three statements of a step commit,
+    and the same thing: one write lock, one commit, rolled back on any error.
+    """
+    if connection.in_atomic_block or not connection.get_autocommit():
+        return write()
+    raw = connection.connection
+    with connection.wrap_database_errors:
+        raw.execute("BEGIN IMMEDIATE")
+        try:
+            result = write()
+        except BaseException:
+            if raw.in_transaction:
+                raw.execute("ROLLBACK")
+            raise
+        raw.execute("COMMIT")
+    return result
+
+
+class Starts:
+    """Where a claim starts each state a worker runs from: (workflow, state) -> step.
+
+    The claim applies it in the same statement, so a job is claimed and its step
+    started with one write. States not in it (a working state whose lease expired,
+    an unknown workflow) are left to the runner.
+    """
+
+    def __init__(self, definitions):
+        self.by_state = {}
+        for definition in definitions:
+            table = definition.table
+            for state, kind in table.kinds.items():
+                if kind in (StateKind.INITIAL, StateKind.READY):
+                    states, timer = table.step_starting_at(state), False
+                elif kind == StateKind.TIMER:
+                    states, timer = table.step_of(state), True
+                else:
+                    continue
+                if states is not None:
+                    self.by_state[(definition.name, state)] = (states.working, states.step, timer)
+        rows = [(wf, state, *target) for (wf, state), target in self.by_state.items()]
+        self.arrays = {
+            f"start_{name}": [row[i] for row in rows]
+            for i, name in enumerate(("workflows", "states", "working", "steps", "timers"))
+        }
+
+
 _PG_CLAIM = """
 WITH candidate AS (
-    SELECT id, lease_owner AS previous_owner
+    SELECT id, lease_owner AS previous_owner, workflow, state
     FROM durable_job
     WHERE next_run_at <= statement_timestamp() {filters}
       AND NOT EXISTS (SELECT 1 FROM durable_pause p WHERE p.workflow = durable_job.workflow)
     ORDER BY next_run_at
     LIMIT 1
     FOR UPDATE SKIP LOCKED
+), taken AS (
+    UPDATE durable_job AS j
+    SET lease_owner = %(owner)s,
+        lease_token = j.lease_token + 1,
+        lease_until = statement_timestamp() + %(lease)s * interval '1 second',
+        next_run_at = statement_timestamp() + %(lease)s * interval '1 second',
+        updated = statement_timestamp(),
+        state = COALESCE(s.working, j.state),
+        attempts = CASE WHEN s.working IS NULL THEN j.attempts
+                        WHEN s.timer THEN GREATEST(j.attempts, 1)
+                        ELSE j.attempts + 1 END
+    FROM candidate c
+    LEFT JOIN unnest(%(start_workflows)s::text[], %(start_states)s::text[],
+                     %(start_working)s::text[], %(start_steps)s::text[], %(start_timers)s::bool[])
+              AS s(workflow, state, working, step, timer)
+           ON s.workflow = c.workflow AND s.state = c.state
+    WHERE j.id = c.id
+    RETURNING j.id, j.workflow, j.state, j.attempts, j.lease_token, j.payload::text AS payload,
+              j.wake_at, statement_timestamp() AS now, c.previous_owner, c.state AS previous_state,
+              s.step, s.timer
+), started AS (
+    INSERT INTO durable_jobevent (job_id, at, kind, from_state, to_state, step, actor, message, data)
+    SELECT id, now, 'claimed', previous_state, state, step, %(owner)s,
+           CASE WHEN timer THEN 'timer fired' ELSE 'attempt ' || attempts END, NULL
+    FROM taken WHERE step IS NOT NULL
 )
-UPDATE durable_job AS j
-SET lease_owner = %(owner)s,
-    lease_token = j.lease_token + 1,
-    lease_until = statement_timestamp() + %(lease)s * interval '1 second',
-    next_run_at = statement_timestamp() + %(lease)s * interval '1 second',
-    updated = statement_timestamp()
-FROM candidate
-WHERE j.id = candidate.id
-RETURNING j.id, j.workflow, j.state, j.attempts, j.lease_token, j.payload::text, j.wake_at,
-          statement_timestamp(), candidate.previous_owner
+SELECT id, workflow, state, attempts, lease_token, payload, wake_at, now, previous_owner, step
+FROM taken
 """
 
 _SQLITE_NOW = "strftime('%Y-%m-%d %H:%M:%f', 'now')"
 
 _SQLITE_PICK = f"""
-SELECT id, lease_owner FROM durable_job
+SELECT id, lease_owner, workflow, state FROM durable_job
 WHERE next_run_at <= {_SQLITE_NOW} {{filters}}
   AND NOT EXISTS (SELECT 1 FROM durable_pause p WHERE p.workflow = durable_job.workflow)
 ORDER BY next_run_at
@@ -100,15 +192,21 @@ LIMIT 1
 
 _SQLITE_TAKE = f"""
 UPDATE durable_job
-SET lease_owner = %s,
+SET lease_owner = ?,
     lease_token = lease_token + 1,
-    lease_until = strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now', %s),
-    next_run_at = strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now', %s),
-    updated = {_SQLITE_NOW.replace('%', '%%')}
-WHERE id = %s
-RETURNING id, workflow, state, attempts, lease_token, payload, wake_at,
-          {_SQLITE_NOW.replace('%', '%%')}
+    lease_until = strftime('%Y-%m-%d %H:%M:%f', 'now', ?),
+    next_run_at = strftime('%Y-%m-%d %H:%M:%f', 'now', ?),
+    updated = {_SQLITE_NOW},
+    state = coalesce(?, state),
+    attempts = CASE WHEN ? IS NULL THEN attempts WHEN ? THEN max(attempts, 1) ELSE attempts + 1 END
+WHERE id = ?
+RETURNING id, workflow, state, attempts, lease_token, payload, wake_at, {_SQLITE_NOW}
 """
+
+_SQLITE_EVENT = (
+    "INSERT INTO durable_jobevent (job_id, at, kind, from_state, to_state, step, actor, message, data)"
+    f" VALUES (?, {_SQLITE_NOW}, ?, ?, ?, ?, ?, ?, ?)"
+)
 
 
 def _filters(workflows, queues, params, pg):
@@ -119,40 +217,50 @@ def _filters(workflows, queues, params, pg):
                 sql += f" AND {column} = ANY(%({column}s)s)"
                 params[f"{column}s"] = list(values)
             else:
-                sql += f" AND {column} IN ({', '.join('%s' for _ in values)})"
+                sql += f" AND {column} IN ({', '.join('?' for _ in values)})"
                 params.extend(values)
     return sql
 
 
-def claim_job(owner, lease_seconds, workflows=None, queues=None):
-    """Take the lease of the oldest due job, or return None.
+_NO_STARTS = Starts(())
 
-    Must run inside ``transaction.atomic()``: the caller starts the step in the same
-    transaction, so a claim costs one commit. On PostgreSQL ``FOR UPDATE SKIP LOCKED``
-    lets concurrent workers pass over each other's candidates instead of queueing on
-    them; on SQLite the transaction is IMMEDIATE (settings), so it already holds the
-    database's single write lock and the select-then-update cannot race.
+
+def claim_job(owner, lease_seconds, workflows=None, queues=None, starts=None):
+    """Take the lease of the oldest due job and start its step, or return None.
+
+    On PostgreSQL this is one statement, safe in autocommit (it commits itself) or
+    inside the caller's transaction; ``FOR UPDATE SKIP LOCKED`` lets concurrent
+    workers pass over each other's candidates instead of queueing on them. On SQLite
+    it must run in a transaction, which is IMMEDIATE (settings): it already holds the
+    database's single write lock, so the select-then-update cannot race.
     A job whose lease expired is simply due again: reclaiming a dead worker's job is
-    the normal claim path, not a separate recovery pass.
+    the normal claim path, not a separate recovery pass. ``starts`` (a ``Starts``)
+    says which states the claim moves to their step's working state, with an event;
+    ``Claimed.started_step`` is then the step started, else None.
     """
-    with connection.cursor() as cursor:
-        if is_postgres():
-            params = {"owner": owner, "lease": float(lease_seconds)}
-            cursor.execute(_PG_CLAIM.format(filters=_filters(workflows, queues, params, True)), params)
-            row = cursor.fetchone()
-            if row is None:
-                return None
-            previous_owner = row[8]
-        else:
-            params = []
-            cursor.execute(_SQLITE_PICK.format(filters=_filters(workflows, queues, params, False)), params)
-            picked = cursor.fetchone()
-            if picked is None:
-                return None
-            modifier = f"+{float(lease_seconds)} seconds"
-            cursor.execute(_SQLITE_TAKE, [owner, modifier, modifier, picked[0]])
-            row = cursor.fetchone()
-            previous_owner = picked[1]
+    starts = starts or _NO_STARTS
+    if is_postgres():
+        params = {"owner": owner, "lease": float(lease_seconds), **starts.arrays}
+        cursor = pg_execute(_PG_CLAIM.format(filters=_filters(workflows, queues, params, True)), params)
+        row = cursor.fetchone()
+        if row is None:
+            return None
+        previous_owner, started_step = row[8], row[9]
+    else:
+        params = []
+        picked = sqlite_execute(_SQLITE_PICK.format(filters=_filters(workflows, queues, params, False)),
+                                params).fetchone()
+        if picked is None:
+            return None
+        job_id, previous_owner, workflow, previous_state = picked
+        working, started_step, timer = starts.by_state.get((workflow, previous_state), (None, None, False))
+        modifier = f"+{float(lease_seconds)} seconds"
+        row = sqlite_execute(_SQLITE_TAKE, (owner, modifier, modifier, working, working, timer,
+                                            job_id)).fetchone()
+        if started_step is not None:
+            message = "timer fired" if timer else f"attempt {row[3]}"
+            sqlite_execute(_SQLITE_EVENT, (job_id, EventKind.CLAIMED.value, previous_state, working,
+                                           started_step, owner, message, None))
     return Claimed(
         id=row[0],
         workflow=row[1],
@@ -164,6 +272,7 @@ def claim_job(owner, lease_seconds, workflows=None, queues=None):
         db_now=_sqlite_dt(row[7]),
         previous_owner=previous_owner,
         owner=owner,
+        started_step=started_step,
     )
 
 
@@ -332,19 +441,26 @@ SELECT count(*) FROM moved
 
 _SQLITE_COMPLETE = f"""
 UPDATE durable_job
-SET state = %s,
-    updated = {_SQLITE_NOW.replace('%', '%%')},
-    attempts = %s,
-    lease_until = CASE WHEN %s THEN strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now', %s) END,
-    lease_owner = CASE WHEN %s THEN lease_owner END,
-    next_run_at = CASE WHEN %s THEN strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now', %s)
-                       WHEN %s THEN NULL
-                       ELSE {_SQLITE_NOW.replace('%', '%%')} END,
+SET state = ?,
+    updated = {_SQLITE_NOW},
+    attempts = ?,
+    lease_until = CASE WHEN ? THEN strftime('%Y-%m-%d %H:%M:%f', 'now', ?) END,
+    lease_owner = CASE WHEN ? THEN lease_owner END,
+    next_run_at = CASE WHEN ? THEN strftime('%Y-%m-%d %H:%M:%f', 'now', ?)
+                       WHEN ? THEN NULL
+                       ELSE {_SQLITE_NOW} END,
     wake_at = NULL,
     last_error = '',
-    result = CASE WHEN %s THEN %s ELSE result END
-WHERE id = %s AND state = %s AND lease_token = %s AND lease_until >= {_SQLITE_NOW.replace('%', '%%')}
+    result = CASE WHEN ? THEN ? ELSE result END
+WHERE id = ? AND state = ? AND lease_token = ? AND lease_until >= {_SQLITE_NOW}
 """
+
+_SQLITE_MEMO = (
+    "INSERT INTO durable_stepresult (job_id, step, output, cost, duration, attempt, workflow, at)"
+    f" VALUES (?, ?, ?, ?, ?, ?, ?, {_SQLITE_NOW})"
+)
+
+_MICROSECOND = datetime.timedelta(microseconds=1)
 
 
 def complete_step(claimed, path, *, keep, terminal, lease_seconds, attempts, result_json,
@@ -354,44 +470,40 @@ def complete_step(claimed, path, *, keep, terminal, lease_seconds, attempts, res
     The same effect as ``transition()`` plus a ``StepResult`` insert, written as raw SQL
     because it runs once per step on every worker: on PostgreSQL it is a single
     statement (the inserts read the UPDATE's RETURNING, so a fenced-out worker inserts
-    nothing) and a single round trip. The caller has checked the edges and holds the
-    transaction; returns False, having written nothing, when the lease was lost or the
-    job moved. ``memo`` is None or (output_json, cost, duration, attempt, workflow).
+    nothing) and a single round trip; outside a transaction it commits itself, so a
+    step costs that one round trip. On SQLite it is three statements in one IMMEDIATE
+    transaction (the caller's, or its own). The caller has checked the edges; returns
+    False, having written nothing, when the lease was lost or the job moved. ``memo``
+    is None or (output_json, cost, duration, attempt, workflow).
     """
     frm, to = claimed.state, path[-1]
     froms = [frm, *path[:-1]]
-    with connection.cursor() as cursor:
-        if is_postgres():
-            output_json, cost, duration, attempt, workflow = memo or ("null", 0, datetime.timedelta(0), 0, "")
-            cursor.execute(_PG_COMPLETE, {
-                "to": to, "attempts": attempts, "keep": keep, "lease": float(lease_seconds),
-                "terminal": terminal, "result": result_json, "id": claimed.id, "frm": frm,
-                "token": claimed.lease_token, "kind": kind, "step": step, "actor": actor,
-                "data": data_json, "froms": froms, "tos": list(path), "output": output_json,
-                "cost": cost, "micros": int(duration / datetime.timedelta(microseconds=1)),
-                "attempt": attempt, "workflow": workflow, "write_memo": memo is not None,
-            })
-            return cursor.fetchone()[0] == 1
+    if is_postgres():
+        output_json, cost, duration, attempt, workflow = memo or ("null", 0, datetime.timedelta(0), 0, "")
+        cursor = pg_execute(_PG_COMPLETE, {
+            "to": to, "attempts": attempts, "keep": keep, "lease": float(lease_seconds),
+            "terminal": terminal, "result": result_json, "id": claimed.id, "frm": frm,
+            "token": claimed.lease_token, "kind": kind, "step": step, "actor": actor,
+            "data": data_json, "froms": froms, "tos": list(path), "output": output_json,
+            "cost": cost, "micros": duration // _MICROSECOND,
+            "attempt": attempt, "workflow": workflow, "write_memo": memo is not None,
+        })
+        return cursor.fetchone()[0] == 1
+
+    def write():
         modifier = f"+{float(lease_seconds)} seconds"
-        cursor.execute(_SQLITE_COMPLETE, [
+        moved = sqlite_execute(_SQLITE_COMPLETE, (
             to, attempts, keep, modifier, keep, keep, modifier, terminal, terminal, result_json,
             claimed.id, frm, claimed.lease_token,
-        ])
-        if cursor.rowcount != 1:
+        ))
+        if moved.rowcount != 1:
             return False
-        now = _SQLITE_NOW
-        rows = ", ".join(f"(%s, {now.replace('%', '%%')}, %s, %s, %s, %s, %s, '', %s)" for _ in path)
-        params = []
         for f, t in zip(froms, path, strict=True):
-            params += [claimed.id, kind, f, t, step, actor, data_json]
-        cursor.execute(
-            "INSERT INTO durable_jobevent (job_id, at, kind, from_state, to_state, step, actor,"
-            f" message, data) VALUES {rows}", params)
+            sqlite_execute(_SQLITE_EVENT, (claimed.id, kind, f, t, step, actor, "", data_json))
         if memo is not None:
             output_json, cost, duration, attempt, workflow = memo
-            cursor.execute(
-                "INSERT INTO durable_stepresult (job_id, step, output, cost, duration, attempt,"
-                f" workflow, at) VALUES (%s, %s, %s, %s, %s, %s, %s, {now.replace('%', '%%')})",
-                [claimed.id, step, output_json, str(cost),
-                 int(duration / datetime.timedelta(microseconds=1)), attempt, workflow])
+            sqlite_execute(_SQLITE_MEMO, (claimed.id, step, output_json, str(cost),
+                                          duration // _MICROSECOND, attempt, workflow))
         return True
+
+    return sqlite_transaction(write)

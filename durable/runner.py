@@ -10,7 +10,7 @@ import logging
 import time
 from decimal import Decimal
 
-from django.db import DataError, transaction
+from django.db import DataError, connection, transaction
 
 from . import faults, locking
 from .conf import durable_settings
@@ -55,20 +55,40 @@ class Runner:
         # costs one commit per step and nothing more.
         self.chain = chain
         self.stopping = False
+        self._starts = None
+        self._starts_generation = None
 
     # Claiming and starting -------------------------------------------------------
 
     def claim(self, workflows=None, queues=None):
-        """Claim a due job and start its next step, in one transaction (one commit)."""
-        with transaction.atomic():
-            started = self._claim_and_start(workflows, queues)
+        """Claim a due job and start its next step, with one commit."""
+        if locking.is_postgres() and not connection.in_atomic_block:
+            # One statement that commits itself: the claim and, for a job at a step's
+            # start, the step's start and its event.
+            claimed = self._claim_job(workflows, queues)
+            if claimed is None:
+                started = None
+            elif claimed.started_step is not None:
+                started = self._start(claimed)
+            else:
+                with transaction.atomic():
+                    started = self._start(claimed)
+        else:
+            with transaction.atomic():
+                started = self._claim_and_start(workflows, queues)
         if started is not None:
             faults.point("after_claim")
         return started
 
+    def _claim_job(self, workflows=None, queues=None):
+        if self._starts is None or self._starts_generation != registry.generation:
+            self._starts_generation = registry.generation
+            self._starts = locking.Starts(registry.all())
+        return locking.claim_job(self.owner, self.lease_seconds, workflows or self.workflows,
+                                 queues or self.queues, self._starts)
+
     def _claim_and_start(self, workflows=None, queues=None):
-        claimed = locking.claim_job(self.owner, self.lease_seconds, workflows or self.workflows,
-                                    queues or self.queues)
+        claimed = self._claim_job(workflows, queues)
         if claimed is None:
             return None
         return self._start(claimed)
@@ -80,8 +100,16 @@ class Runner:
             self._park(claimed, f"{exc}. The job is parked; redeploy the workflow, then retry it.")
             return None
         table = workflow.table
-        kind = table.kinds.get(claimed.state)
         token = claimed.lease_token
+        if claimed.started_step is not None:
+            # The claim statement started the step (see locking.Starts).
+            states = table.step_of(claimed.state)
+            started = Started(claimed, workflow, workflow.steps_by_name[states.step], states,
+                              claimed.attempts)
+            if claimed.attempts == 1 and states.before == table.initial and claimed.wake_at is None:
+                started.memos = {}  # a job that never ran has no memos: skip the lookup
+            return started
+        kind = table.kinds.get(claimed.state)
         if kind in (StateKind.INITIAL, StateKind.READY):
             states = table.step_starting_at(claimed.state)
             step = workflow.steps_by_name[states.step]
@@ -224,12 +252,19 @@ class Runner:
         if terminal:
             faults.point("before_final_transition")
         following = None
+        chain = not keep_going and self.chain and not self.stopping
         try:
-            with transaction.atomic():
+            if chain:
+                # The next job's claim rides on the commit that finishes this one.
+                with transaction.atomic():
+                    ok = self._commit_step(started, path, output, cost, duration, write_memo,
+                                           keep_going, terminal)
+                    if ok:
+                        following = self._claim_and_start()
+            else:
+                # One write that commits itself (or joins a transaction the caller holds).
                 ok = self._commit_step(started, path, output, cost, duration, write_memo,
                                        keep_going, terminal)
-                if ok and not keep_going and self.chain and not self.stopping:
-                    following = self._claim_and_start()
         except DataError as exc:
             # The database refused the values themselves (not an outage): retrying the
             # same output cannot help, so the step fails here instead of looping.
@@ -239,11 +274,14 @@ class Runner:
             return None
         faults.point("after_final_transition" if terminal else "after_commit")
         started.memos[step.name] = output
-        logger.info(
-            "%s job=%s step=%s attempt=%d done in %.1fms cost=%s -> %s",
-            self.owner, claimed.id, step.name, started.attempt,
-            duration.total_seconds() * 1000, cost, claimed.state,
-        )
+        if logger.isEnabledFor(logging.DEBUG if keep_going else logging.INFO):
+            # A line per job at INFO (its last step here); every step at DEBUG.
+            logger.log(
+                logging.DEBUG if keep_going else logging.INFO,
+                "%s job=%s step=%s attempt=%d done in %.1fms cost=%s -> %s",
+                self.owner, claimed.id, step.name, started.attempt,
+                duration.total_seconds() * 1000, cost, claimed.state,
+            )
         self._signal_finished(started, "done")
         if terminal and job_finished.has_listeners(started.workflow.name):
             job_finished.send(started.workflow.name, job_id=claimed.id, state=claimed.state)

@@ -173,6 +173,8 @@ class Registry:
     def __init__(self):
         self._classes = {}
         self._instances = {}
+        # Bumped by every change, so that caches derived from the tables know to rebuild.
+        self.generation = 0
 
     def register(self, cls):
         name = cls.name
@@ -188,11 +190,13 @@ class Registry:
         cls.table = cls.build_table()
         self._classes[name] = cls
         self._instances.pop(name, None)
+        self.generation += 1
         return cls
 
     def unregister(self, name):
         self._classes.pop(name, None)
         self._instances.pop(name, None)
+        self.generation += 1
 
     def get(self, name):
         try:
