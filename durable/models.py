@@ -101,7 +101,8 @@ class Job(models.Model):
 class StepResult(models.Model):
     """The memo: one step's output for one job, never paid for twice."""
 
-    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="steps")
+    # No index of its own: the (job, step) constraint below leads with job_id.
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="steps", db_index=False)
     step = models.CharField(_("step"), max_length=100)
     output = models.JSONField(_("output"), null=True, encoder=DjangoJSONEncoder)
     cost = models.DecimalField(_("cost"), max_digits=18, decimal_places=6, default=0)
@@ -314,7 +315,8 @@ class EventKind(models.TextChoices):
 class JobEvent(models.Model):
     """Append-only history of every transition and operator action: the audit log."""
 
-    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="events")
+    # No index of its own: the (job, id) timeline index leads with job_id.
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="events", db_index=False)
     at = models.DateTimeField(_("at"), db_default=Now())
     kind = models.CharField(
         _("kind"), max_length=max(len(v) for v in EventKind.values), choices=EventKind.choices

@@ -62,28 +62,34 @@ class Runner:
 
     def claim(self, workflows=None, queues=None):
         """Claim a due job and start its next step, with one commit."""
-        if locking.is_postgres() and not connection.in_atomic_block:
+        if connection.in_atomic_block:
+            started = self._claim_and_start(workflows, queues)
+        elif locking.is_postgres():
             # One statement that commits itself: the claim and, for a job at a step's
             # start, the step's start and its event.
-            claimed = self._claim_job(workflows, queues)
-            if claimed is None:
-                started = None
-            elif claimed.started_step is not None:
-                started = self._start(claimed)
-            else:
-                with transaction.atomic():
-                    started = self._start(claimed)
+            started = self._begin(self._claim_job(workflows, queues))
         else:
-            with transaction.atomic():
-                started = self._claim_and_start(workflows, queues)
+            started = self._begin(locking.sqlite_transaction(lambda: self._claim_job(workflows, queues)))
         if started is not None:
             faults.point("after_claim")
         return started
 
-    def _claim_job(self, workflows=None, queues=None):
+    def _begin(self, claimed):
+        """Start a job claimed in a transaction that has committed."""
+        if claimed is None or claimed.started_step is not None:
+            return None if claimed is None else self._start(claimed)
+        # A state the claim statement does not start (a lease that expired mid-step,
+        # an unknown workflow): its bookkeeping commits on its own.
+        with transaction.atomic():
+            return self._start(claimed)
+
+    def _refresh_starts(self):
         if self._starts is None or self._starts_generation != registry.generation:
             self._starts_generation = registry.generation
             self._starts = locking.Starts(registry.all())
+
+    def _claim_job(self, workflows=None, queues=None):
+        self._refresh_starts()
         return locking.claim_job(self.owner, self.lease_seconds, workflows or self.workflows,
                                  queues or self.queues, self._starts)
 
@@ -251,16 +257,13 @@ class Runner:
         path = [states.done, nxt.working] if keep_going else [states.done]
         if terminal:
             faults.point("before_final_transition")
-        following = None
+        claimed_next = None
         chain = not keep_going and self.chain and not self.stopping
         try:
             if chain:
                 # The next job's claim rides on the commit that finishes this one.
-                with transaction.atomic():
-                    ok = self._commit_step(started, path, output, cost, duration, write_memo,
-                                           keep_going, terminal)
-                    if ok:
-                        following = self._claim_and_start()
+                ok, claimed_next = self._commit_step(started, path, output, cost, duration,
+                                                     write_memo, keep_going, terminal, chain=True)
             else:
                 # One write that commits itself (or joins a transaction the caller holds).
                 ok = self._commit_step(started, path, output, cost, duration, write_memo,
@@ -269,9 +272,10 @@ class Runner:
             # The database refused the values themselves (not an outage): retrying the
             # same output cannot help, so the step fails here instead of looping.
             return self._failed(started, exc, 0)
+        following = self._begin(claimed_next)
         if not ok:
             self._lost(started)
-            return None
+            return following
         faults.point("after_final_transition" if terminal else "after_commit")
         started.memos[step.name] = output
         if logger.isEnabledFor(logging.DEBUG if keep_going else logging.INFO):
@@ -296,7 +300,8 @@ class Runner:
         claimed.wake_at = None
         return started
 
-    def _commit_step(self, started, path, output, cost, duration, write_memo, keep_going, terminal):
+    def _commit_step(self, started, path, output, cost, duration, write_memo, keep_going, terminal,
+                     chain=False):
         claimed, step = started.claimed, started.step
         table = started.table
         current = claimed.state
@@ -307,17 +312,24 @@ class Runner:
         output_json = storable_json(output)
         data = {"attempt": started.attempt, "cost": str(cost),
                 "ms": round(duration.total_seconds() * 1000, 3)}
-        ok = locking.complete_step(
-            claimed, path, keep=keep_going, terminal=terminal, lease_seconds=self.lease_seconds,
+        fields = dict(
+            keep=keep_going, terminal=terminal, lease_seconds=self.lease_seconds,
             attempts=1 if keep_going else 0, result_json=output_json if terminal else None,
             kind=EventKind.STEP_DONE.value, step=step.name, actor=self.owner,
             data_json=json.dumps(data),
             memo=(output_json, cost, duration, started.attempt, started.workflow.name)
             if write_memo else None,
         )
+        if chain:
+            self._refresh_starts()
+            ok, claimed_next = locking.complete_and_claim(
+                claimed, path, owner=self.owner, workflows=self.workflows, queues=self.queues,
+                starts=self._starts, **fields)
+        else:
+            ok = locking.complete_step(claimed, path, **fields)
         if ok:
             claimed.state = path[-1]
-        return ok
+        return (ok, claimed_next) if chain else ok
 
     def _action(self, started, action, ctx, cost, duration):
         """Hand an action to the outbox (see durable.dispatch) in the completing transaction."""

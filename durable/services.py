@@ -14,7 +14,7 @@ from decimal import Decimal
 
 from django.core import signing
 from django.core.serializers.json import DjangoJSONEncoder
-from django.db import IntegrityError, transaction
+from django.db import connection, transaction
 from django.db.models.functions import Now
 
 from . import locking
@@ -29,7 +29,7 @@ from .workflows import Action, Context, NeedsHuman, Output, Wait, registry
 _NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 
-def _normalise_payload(payload):
+def _normalise_payload(payload, as_json=False):
     if payload is None:
         # JSONField stores None as SQL NULL, which the column refuses: say so up front.
         raise PayloadInvalid("The payload is None; submit {} for a job that needs no input")
@@ -52,7 +52,7 @@ def _normalise_payload(payload):
             f"The payload is {len(text.encode())} bytes of JSON, over the limit of {limit}"
             " (DURABLE['MAX_PAYLOAD_BYTES'])"
         )
-    return json.loads(text)
+    return text if as_json else json.loads(text)
 
 
 def _same_json(a, b):
@@ -98,37 +98,43 @@ def submit(workflow, key, payload, *, run_after=None, queue="default", submitted
         raise PayloadInvalid("The key must be a non-empty string of at most 255 characters")
     if "\x00" in key or not _is_unicode(key):
         raise PayloadInvalid("The key contains a NUL character or a lone surrogate")
-    payload = _normalise_payload(payload)
-    try:
+    if not isinstance(queue, str) or not queue or len(queue) > Job._meta.get_field("queue").max_length:
+        raise PayloadInvalid("The queue must be a non-empty string of at most 100 characters")
+    payload_json = _normalise_payload(payload, as_json=True)
+    fields = {
+        "id": key, "workflow": definition.name, "workflow_version": definition.version,
+        "queue": queue, "state": definition.table.initial, "submitted_by": str(submitted_by or ""),
+    }
+
+    def insert():
+        return locking.insert_job(
+            key=key, workflow=definition.name, version=definition.version, queue=queue,
+            state=fields["state"], payload_json=payload_json, run_after=run_after,
+            submitted_by=fields["submitted_by"], message=f"{definition.name} v{definition.version}",
+        )
+
+    if connection.in_atomic_block:
+        # A savepoint: a refused insert leaves the caller's transaction usable.
         with transaction.atomic():
-            job = Job.objects.create(
-                id=key,
-                workflow=definition.name,
-                workflow_version=definition.version,
-                queue=queue,
-                state=definition.table.initial,
-                payload=payload,
-                next_run_at=run_after if run_after is not None else Now(),
-                submitted_by=str(submitted_by or ""),
-            )
-            JobEvent.objects.create(
-                job_id=key, kind=EventKind.SUBMITTED, to_state=job.state,
-                actor=str(submitted_by or ""),
-                message=f"{definition.name} v{definition.version}",
-            )
-            locking.notify("durable_jobs", definition.name)
-    except IntegrityError:
+            stamps = insert()
+    else:
+        stamps = insert()  # one statement (one transaction) of its own
+    if stamps is None:
         existing = Job.objects.filter(pk=key).first()
         if existing is None:
-            raise
-        if existing.workflow != definition.name or not _same_json(existing.payload, payload):
+            # Deleted (purged) between the insert and this read: a rare race, said plainly.
+            raise IdempotencyConflict(f"Job {key!r} was being replaced while it was submitted; submit again")
+        if existing.workflow != definition.name or not _same_json(existing.payload, json.loads(payload_json)):
             raise IdempotencyConflict(
                 f"Job {key!r} already exists for workflow {existing.workflow!r} with a different"
                 f" {'workflow' if existing.workflow != definition.name else 'payload'}"
             ) from None
         return existing
-    if run_after is None:
-        job.next_run_at = None  # set by the database clock; read it back if needed
+    created, updated, next_run_at = stamps
+    job = Job(**fields, payload=json.loads(payload_json), created=created, updated=updated,
+              next_run_at=next_run_at)
+    job._state.adding = False
+    job._state.db = connection.alias
     return job
 
 
