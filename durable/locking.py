@@ -9,7 +9,7 @@ handed out, so a worker that lost its lease commits nothing.
 import datetime
 import json
 
-from django.db import connection, transaction
+from django.db import DEFAULT_DB_ALIAS, connection, connections, transaction
 from django.db.models.functions import Now
 from django.utils.dateparse import parse_datetime
 
@@ -74,51 +74,60 @@ class Claimed:
 # Errors still surface as Django's database exceptions.
 
 
-def _pg_raw():
+def _db():
+    """The default database's wrapper, looked up once per hot call (the proxy costs each time)."""
+    db = connections[DEFAULT_DB_ALIAS]
+    if db.connection is None:
+        db.ensure_connection()
+    return db
+
+
+def _pg_raw(db):
     """Django's psycopg connection, set so that ``prepare=True`` prepares.
 
     Django opens it with ``prepare_threshold=None`` (nothing is ever prepared, not even
     on request). A threshold no query reaches keeps every other statement unprepared
     while the hot statements, which ask for it, are prepared once per connection.
     """
-    connection.ensure_connection()
-    raw = connection.connection
+    raw = db.connection
     if raw.prepare_threshold is None and durable_settings.PREPARED_STATEMENTS:
         raw.prepare_threshold = 1 << 30
     return raw
 
 
-def pg_execute(sql, params):
+def pg_execute(sql, params, db=None):
     """Execute one hot statement on PostgreSQL; returns the cursor, its rows unread."""
     import psycopg
 
-    raw = _pg_raw()
-    with connection.wrap_database_errors:
+    db = db or _db()
+    raw = _pg_raw(db)
+    with db.wrap_database_errors:
         cursor = psycopg.Cursor(raw)
         cursor.execute(sql, params, prepare=durable_settings.PREPARED_STATEMENTS)
     return cursor
 
 
-def sqlite_execute(sql, params=()):
+def sqlite_execute(sql, params=(), db=None):
     """Execute one hot statement on SQLite's own connection (qmark parameters)."""
-    connection.ensure_connection()
-    with connection.wrap_database_errors:
-        return connection.connection.execute(sql, params)
+    db = db or _db()
+    with db.wrap_database_errors:
+        return db.connection.execute(sql, params)
 
 
-def sqlite_transaction(write):
-    """Run ``write()`` in the caller's transaction, or in one IMMEDIATE transaction of its own.
+def sqlite_transaction(write, db=None):
+    """Run ``write(db)`` in the caller's transaction, or in one IMMEDIATE transaction of its own.
 
     Cheaper than ``transaction.atomic()`` for the three statements of a step commit,
     and the same thing: one write lock, one commit, rolled back on any error.
     """
-    if connection.in_atomic_block or not connection.get_autocommit():
-        return write()
-    raw = connection.connection
-    with connection.wrap_database_errors:
+    db = db or _db()
+    if db.in_atomic_block or not db.get_autocommit():
+        return write(db)
+    raw = db.connection
+    with db.wrap_database_errors:
         raw.execute("BEGIN IMMEDIATE")
         try:
-            result = write()
+            result = write(db)
         except BaseException:
             if raw.in_transaction:
                 raw.execute("ROLLBACK")
@@ -252,9 +261,11 @@ def claim_job(owner, lease_seconds, workflows=None, queues=None, starts=None):
     says which states the claim moves to their step's working state, with an event;
     ``Claimed.started_step`` is then the step started, else None.
     """
-    if is_postgres():
-        return _pg_claimed(pg_execute(*_pg_claim(owner, lease_seconds, workflows, queues, starts)), owner)
-    return _sqlite_claim(owner, lease_seconds, workflows, queues, starts)
+    db = _db()
+    if db.vendor == "postgresql":
+        return _pg_claimed(pg_execute(*_pg_claim(owner, lease_seconds, workflows, queues, starts), db=db),
+                           owner)
+    return _sqlite_claim(db, owner, lease_seconds, workflows, queues, starts)
 
 
 def _pg_claim(owner, lease_seconds, workflows, queues, starts):
@@ -269,10 +280,10 @@ def _pg_claimed(cursor, owner):
     return _claimed(row, owner, previous_owner=row[8], started_step=row[9])
 
 
-def _sqlite_claim(owner, lease_seconds, workflows, queues, starts):
+def _sqlite_claim(db, owner, lease_seconds, workflows, queues, starts):
     params = []
     picked = sqlite_execute(_SQLITE_PICK.format(filters=_filters(workflows, queues, params, False)),
-                            params).fetchone()
+                            params, db).fetchone()
     if picked is None:
         return None
     job_id, previous_owner, workflow, previous_state = picked
@@ -280,11 +291,11 @@ def _sqlite_claim(owner, lease_seconds, workflows, queues, starts):
                                                                        (None, None, False))
     modifier = f"+{float(lease_seconds)} seconds"
     row = sqlite_execute(_SQLITE_TAKE, (owner, modifier, modifier, working, working, timer,
-                                        job_id)).fetchone()
+                                        job_id), db).fetchone()
     if started_step is not None:
         message = "timer fired" if timer else f"attempt {row[3]}"
         sqlite_execute(_SQLITE_EVENT, (job_id, EventKind.CLAIMED.value, previous_state, working,
-                                       started_step, owner, message, None))
+                                       started_step, owner, message, None), db)
     return _claimed(row, owner, previous_owner=previous_owner, started_step=started_step)
 
 
@@ -342,24 +353,25 @@ def insert_job(*, key, workflow, version, queue, state, payload_json, run_after,
     is part of the statement, so it is delivered exactly when the job commits; outside
     a transaction the statement commits itself (one round trip for a submit).
     """
-    run_after = connection.ops.adapt_datetimefield_value(run_after)
-    if is_postgres():
+    db = _db()
+    run_after = db.ops.adapt_datetimefield_value(run_after)
+    if db.vendor == "postgresql":
         row = pg_execute(_PG_SUBMIT, {
             "id": key, "workflow": workflow, "version": version, "queue": queue, "state": state,
             "payload": payload_json, "run_after": run_after, "by": submitted_by, "message": message,
-        }).fetchone()
+        }, db).fetchone()
         return None if row is None else row[:3]
 
-    def write():
+    def write(db):
         row = sqlite_execute(_SQLITE_SUBMIT, (key, workflow, version, queue, state, payload_json,
-                                              run_after, submitted_by)).fetchone()
+                                              run_after, submitted_by), db).fetchone()
         if row is None:
             return None
         sqlite_execute(_SQLITE_EVENT, (key, EventKind.SUBMITTED.value, "", state, "", submitted_by,
-                                       message, None))
+                                       message, None), db)
         return tuple(_sqlite_dt(value) for value in row)
 
-    return sqlite_transaction(write)
+    return sqlite_transaction(write, db)
 
 
 def renew_lease(job_id, token, lease_seconds):
@@ -563,9 +575,10 @@ def complete_step(claimed, path, **step):
     ``step`` holds keep, terminal, lease_seconds, attempts, result_json, kind, step,
     actor, data_json and memo: None or (output_json, cost, duration, attempt, workflow).
     """
-    if is_postgres():
-        return pg_execute(_PG_COMPLETE, _pg_complete_params(claimed, path, **step)).fetchone()[0] == 1
-    return sqlite_transaction(lambda: _sqlite_complete(claimed, path, **step))
+    db = _db()
+    if db.vendor == "postgresql":
+        return pg_execute(_PG_COMPLETE, _pg_complete_params(claimed, path, **step), db).fetchone()[0] == 1
+    return sqlite_transaction(lambda db: _sqlite_complete(db, claimed, path, **step), db)
 
 
 def complete_and_claim(claimed, path, *, owner, workflows=None, queues=None, starts=None, **step):
@@ -575,17 +588,18 @@ def complete_and_claim(claimed, path, *, owner, workflows=None, queues=None, sta
     statements in one round trip; measured, it saved no time and cost CPU.)
     """
     lease_seconds = step["lease_seconds"]
-    if is_postgres():
+    db = _db()
+    if db.vendor == "postgresql":
         with transaction.atomic():
-            done = pg_execute(_PG_COMPLETE, _pg_complete_params(claimed, path, **step))
-            taken = pg_execute(*_pg_claim(owner, lease_seconds, workflows, queues, starts))
+            done = pg_execute(_PG_COMPLETE, _pg_complete_params(claimed, path, **step), db)
+            taken = pg_execute(*_pg_claim(owner, lease_seconds, workflows, queues, starts), db=db)
             return done.fetchone()[0] == 1, _pg_claimed(taken, owner)
 
-    def write():
-        done = _sqlite_complete(claimed, path, **step)
-        return done, _sqlite_claim(owner, lease_seconds, workflows, queues, starts)
+    def write(db):
+        done = _sqlite_complete(db, claimed, path, **step)
+        return done, _sqlite_claim(db, owner, lease_seconds, workflows, queues, starts)
 
-    return sqlite_transaction(write)
+    return sqlite_transaction(write, db)
 
 
 def _pg_complete_params(claimed, path, *, keep, terminal, lease_seconds, attempts, result_json,
@@ -601,19 +615,19 @@ def _pg_complete_params(claimed, path, *, keep, terminal, lease_seconds, attempt
     }
 
 
-def _sqlite_complete(claimed, path, *, keep, terminal, lease_seconds, attempts, result_json,
+def _sqlite_complete(db, claimed, path, *, keep, terminal, lease_seconds, attempts, result_json,
                      kind, step, actor, data_json, memo):
     modifier = f"+{float(lease_seconds)} seconds"
     moved = sqlite_execute(_SQLITE_COMPLETE, (
         path[-1], attempts, keep, modifier, keep, keep, modifier, terminal, terminal, result_json,
         claimed.id, claimed.state, claimed.lease_token,
-    ))
+    ), db)
     if moved.rowcount != 1:
         return False
     for f, t in zip([claimed.state, *path[:-1]], path, strict=True):
-        sqlite_execute(_SQLITE_EVENT, (claimed.id, kind, f, t, step, actor, "", data_json))
+        sqlite_execute(_SQLITE_EVENT, (claimed.id, kind, f, t, step, actor, "", data_json), db)
     if memo is not None:
         output_json, cost, duration, attempt, workflow = memo
         sqlite_execute(_SQLITE_MEMO, (claimed.id, step, output_json, str(cost),
-                                      duration // _MICROSECOND, attempt, workflow))
+                                      duration // _MICROSECOND, attempt, workflow), db)
     return True

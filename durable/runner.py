@@ -69,7 +69,7 @@ class Runner:
             # start, the step's start and its event.
             started = self._begin(self._claim_job(workflows, queues))
         else:
-            started = self._begin(locking.sqlite_transaction(lambda: self._claim_job(workflows, queues)))
+            started = self._begin(locking.sqlite_transaction(lambda db: self._claim_job(workflows, queues)))
         if started is not None:
             faults.point("after_claim")
         return started
@@ -204,7 +204,7 @@ class Runner:
             attempt=started.attempt, payload=claimed.payload, memos=memos,
             db_now=claimed.db_now, wake_at=claimed.wake_at,
         )
-        if step_started.has_listeners(started.workflow.name):
+        if step_started.receivers and step_started.has_listeners(started.workflow.name):
             step_started.send(started.workflow.name, job_id=claimed.id, step=step.name,
                               attempt=started.attempt, worker=self.owner)
         faults.point("before_step")
@@ -232,13 +232,14 @@ class Runner:
             # An action step that returns anything else is refused there, clearly.
             return self._action(started, returned, ctx, cost, duration)
         try:
-            output = json.loads(storable_json(returned))
+            output_json = storable_json(returned)
+            output = json.loads(output_json)
             if cost < 0:
                 raise ValueError(f"a step's cost must not be negative (got {cost})")
         except (TypeError, ValueError) as exc:
             # Deterministic: the same code would produce the same output again.
             return self._failed(started, type(exc)(f"step output refused, it is not storable JSON: {exc}"), 0)
-        return self._complete(started, output, cost, duration)
+        return self._complete(started, output, cost, duration, output_json=output_json)
 
     def _input_for(self, started):
         index = started.workflow.steps.index(started.step)
@@ -248,7 +249,7 @@ class Runner:
 
     # Committing ----------------------------------------------------------------------
 
-    def _complete(self, started, output, cost, duration, write_memo=True):
+    def _complete(self, started, output, cost, duration, write_memo=True, output_json=None):
         """Write the memo and advance the state in one transaction; maybe continue."""
         claimed, step, states, table = started.claimed, started.step, started.states, started.table
         nxt = table.step_starting_at(states.done)
@@ -263,11 +264,12 @@ class Runner:
             if chain:
                 # The next job's claim rides on the commit that finishes this one.
                 ok, claimed_next = self._commit_step(started, path, output, cost, duration,
-                                                     write_memo, keep_going, terminal, chain=True)
+                                                     write_memo, keep_going, terminal, chain=True,
+                                                     output_json=output_json)
             else:
                 # One write that commits itself (or joins a transaction the caller holds).
                 ok = self._commit_step(started, path, output, cost, duration, write_memo,
-                                       keep_going, terminal)
+                                       keep_going, terminal, output_json=output_json)
         except DataError as exc:
             # The database refused the values themselves (not an outage): retrying the
             # same output cannot help, so the step fails here instead of looping.
@@ -287,7 +289,7 @@ class Runner:
                 duration.total_seconds() * 1000, cost, claimed.state,
             )
         self._signal_finished(started, "done")
-        if terminal and job_finished.has_listeners(started.workflow.name):
+        if terminal and job_finished.receivers and job_finished.has_listeners(started.workflow.name):
             job_finished.send(started.workflow.name, job_id=claimed.id, state=claimed.state)
         if not keep_going:
             if following is not None:
@@ -301,7 +303,7 @@ class Runner:
         return started
 
     def _commit_step(self, started, path, output, cost, duration, write_memo, keep_going, terminal,
-                     chain=False):
+                     chain=False, output_json=None):
         claimed, step = started.claimed, started.step
         table = started.table
         current = claimed.state
@@ -309,14 +311,16 @@ class Runner:
             if not table.allows(current, to):
                 raise IllegalTransition(f"{claimed.workflow}: {current} -> {to} is not in the transition table")
             current = to
-        output_json = storable_json(output)
-        data = {"attempt": started.attempt, "cost": str(cost),
-                "ms": round(duration.total_seconds() * 1000, 3)}
+        if output_json is None:
+            output_json = storable_json(output)
+        # The event's data, written directly: a number and a Decimal's digits need no escaping.
+        data_json = (f'{{"attempt": {int(started.attempt)}, "cost": "{cost}", '
+                     f'"ms": {round(duration.total_seconds() * 1000, 3)}}}')
         fields = dict(
             keep=keep_going, terminal=terminal, lease_seconds=self.lease_seconds,
             attempts=1 if keep_going else 0, result_json=output_json if terminal else None,
             kind=EventKind.STEP_DONE.value, step=step.name, actor=self.owner,
-            data_json=json.dumps(data),
+            data_json=data_json,
             memo=(output_json, cost, duration, started.attempt, started.workflow.name)
             if write_memo else None,
         )
@@ -450,7 +454,7 @@ class Runner:
         )
 
     def _signal_finished(self, started, outcome):
-        if step_finished.has_listeners(started.workflow.name):
+        if step_finished.receivers and step_finished.has_listeners(started.workflow.name):
             step_finished.send(started.workflow.name, job_id=started.claimed.id,
                                step=started.step.name, outcome=outcome,
                                state=started.claimed.state, worker=self.owner)
