@@ -524,10 +524,9 @@ WITH moved AS (
     RETURNING id
 ), events AS (
     INSERT INTO durable_jobevent (job_id, at, kind, from_state, to_state, step, actor, message, data)
-    SELECT moved.id, statement_timestamp(), %(kind)s, e.from_state, e.to_state, %(step)s,
-           %(actor)s, '', %(data)s::jsonb
-    FROM moved, unnest(%(froms)s::text[], %(tos)s::text[]) WITH ORDINALITY AS e(from_state, to_state, n)
-    ORDER BY e.n
+    SELECT moved.id, statement_timestamp(), %(kind)s, %(frm)s, %(to)s, %(step)s, %(actor)s, '',
+           %(data)s::jsonb
+    FROM moved
 ), memo AS (
     INSERT INTO durable_stepresult (job_id, step, output, cost, duration, attempt, workflow, at)
     SELECT moved.id, %(step)s, %(output)s::jsonb, %(cost)s, %(micros)s * interval '1 microsecond',
@@ -609,7 +608,7 @@ def _pg_complete_params(claimed, path, *, keep, terminal, lease_seconds, attempt
         "to": path[-1], "attempts": attempts, "keep": keep, "lease": float(lease_seconds),
         "terminal": terminal, "result": result_json, "id": claimed.id, "frm": claimed.state,
         "token": claimed.lease_token, "kind": kind, "step": step, "actor": actor,
-        "data": data_json, "froms": [claimed.state, *path[:-1]], "tos": list(path),
+        "data": data_json,
         "output": output_json, "cost": cost, "micros": duration // _MICROSECOND,
         "attempt": attempt, "workflow": workflow, "write_memo": memo is not None,
     }
@@ -624,8 +623,7 @@ def _sqlite_complete(db, claimed, path, *, keep, terminal, lease_seconds, attemp
     ), db)
     if moved.rowcount != 1:
         return False
-    for f, t in zip([claimed.state, *path[:-1]], path, strict=True):
-        sqlite_execute(_SQLITE_EVENT, (claimed.id, kind, f, t, step, actor, "", data_json), db)
+    sqlite_execute(_SQLITE_EVENT, (claimed.id, kind, claimed.state, path[-1], step, actor, "", data_json), db)
     if memo is not None:
         output_json, cost, duration, attempt, workflow = memo
         sqlite_execute(_SQLITE_MEMO, (claimed.id, step, output_json, str(cost),

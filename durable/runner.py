@@ -314,8 +314,10 @@ class Runner:
         if output_json is None:
             output_json = storable_json(output)
         # The event's data, written directly: a number and a Decimal's digits need no escaping.
+        # One event per step: a step that continues records the state it passed through.
+        via = f', "via": "{path[0]}"' if len(path) > 1 else ""
         data_json = (f'{{"attempt": {int(started.attempt)}, "cost": "{cost}", '
-                     f'"ms": {round(duration.total_seconds() * 1000, 3)}}}')
+                     f'"ms": {round(duration.total_seconds() * 1000, 3)}{via}}}')
         fields = dict(
             keep=keep_going, terminal=terminal, lease_seconds=self.lease_seconds,
             attempts=1 if keep_going else 0, result_json=output_json if terminal else None,

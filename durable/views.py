@@ -525,6 +525,8 @@ def _event_details(data):
     if not isinstance(data, dict):
         return ""
     parts = []
+    if data.get("via"):
+        parts.append(f"via {data['via']}")
     if "attempt" in data:
         parts.append(f"attempt {data['attempt']}")
     if "ms" in data:

@@ -95,7 +95,7 @@ def test_a_step_that_outlives_its_lease_cannot_commit_and_the_new_owners_result_
     # The stale worker now finishes its step a and tries to commit: fenced out.
     assert slow.run_step(started) is None
     memo = StepResult.objects.get(job_id="j", step="a")
-    done = JobEvent.objects.get(job_id="j", kind=EventKind.STEP_DONE, to_state="a_done")
+    done = JobEvent.objects.get(job_id="j", kind=EventKind.STEP_DONE, step="a")
     assert done.actor == "fast-worker"
     assert memo.attempt == 2
     assert StepResult.objects.filter(job_id="j").count() == 3
