@@ -213,7 +213,7 @@ class JobUnderAbuse(RuleBasedStateMachine):
             # A step that continues records the state it passed through ("via").
             via = (data or {}).get("via") if isinstance(data, dict) else None
             path = [frm, via, to] if via else [frm, to]
-            assert frm == to or all(TABLE.allows(a, b) for a, b in zip(path, path[1:])), (
+            assert frm == to or all(TABLE.allows(a, b) for a, b in itertools.pairwise(path)), (
                 f"{' -> '.join(path)} is not in the table")
 
     @invariant()
