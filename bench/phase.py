@@ -253,8 +253,8 @@ def explain_claim():
     with transaction.atomic():
         with connection.cursor() as cur:
             if connection.vendor == "postgresql":
-                cur.execute("EXPLAIN (ANALYZE, BUFFERS) " + locking._PG_CLAIM.format(filters=""),
-                            {"owner": "bench-explain", "lease": 60.0})
+                sql, params = locking._pg_claim("bench-explain", 60.0, None, None, None)
+                cur.execute("EXPLAIN (ANALYZE, BUFFERS) " + sql, params)
             else:
                 cur.execute("EXPLAIN QUERY PLAN " + locking._SQLITE_PICK.format(filters=""))
             plan = "\n".join(" ".join(str(c) for c in row) for row in cur.fetchall())

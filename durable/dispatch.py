@@ -871,8 +871,9 @@ class OutboxWaiter(Waiter):
 
     channel = OUTBOX_CHANNEL
 
-    def next_due(self):
-        return next_due()
+    def seconds_until_due(self):
+        due = next_due()
+        return None if due is None else (due - locking.db_now()).total_seconds()
 
 
 __all__ = ["Dispatcher", "action_identity", "claim_actions", "enqueue_action",

@@ -472,14 +472,23 @@ def release(job_id, token, next_run_at):
         )
 
 
-def next_due():
-    """When the earliest job becomes due (served by the claim index), or None."""
-    return (
-        Job.objects.filter(next_run_at__isnull=False)
-        .order_by("next_run_at")
-        .values_list("next_run_at", flat=True)
-        .first()
-    )
+_PG_UNTIL_DUE = """
+SELECT EXTRACT(EPOCH FROM min(next_run_at) - statement_timestamp())::float8
+FROM durable_job WHERE next_run_at IS NOT NULL
+"""
+
+_SQLITE_UNTIL_DUE = """
+SELECT (julianday(min(next_run_at)) - julianday('now')) * 86400.0
+FROM durable_job WHERE next_run_at IS NOT NULL
+"""
+
+
+def seconds_until_due():
+    """Seconds from the database's now until the earliest job is due, or None: one read."""
+    db = _db()
+    if db.vendor == "postgresql":
+        return pg_execute(_PG_UNTIL_DUE, {}, db).fetchone()[0]
+    return sqlite_execute(_SQLITE_UNTIL_DUE, (), db).fetchone()[0]
 
 
 def notify(channel, payload=""):
@@ -496,7 +505,7 @@ def sqlite_data_version(cursor):
 
 
 __all__ = [
-    "Claimed", "claim_job", "db_now", "next_due", "notify", "now_plus", "release",
+    "Claimed", "claim_job", "db_now", "notify", "now_plus", "release",
     "renew_lease", "transition",
 ]
 

@@ -5,10 +5,12 @@ its database connections: a connection must never be shared across a fork. A chi
 that dies is replaced; a child that exits after a step timeout is replaced at once.
 """
 
+import contextlib
 import logging
 import multiprocessing
 import os
 import signal
+import tempfile
 import time
 
 from django.db import connections
@@ -68,11 +70,19 @@ class Supervisor:
         self.processes = processes or durable_settings.PROCESSES or os.cpu_count() or 1
         self.burst = burst
         self.grace = durable_settings.SHUTDOWN_GRACE if grace is None else grace
+        # Idle workers take turns listening for new jobs (see worker.Waiter): one
+        # wake-up per job instead of every idle process racing for it.
+        self.listen_turns = None
+        if (workers and not burst and self.processes > 1
+                and connections["default"].vendor == "postgresql" and durable_settings.LISTEN):
+            fd, self.listen_turns = tempfile.mkstemp(prefix="durable-listen-", suffix=".lock")
+            os.close(fd)
         worker_options = {"workflows": workflows, "queues": queues, "burst": burst,
                           "lease_seconds": lease_seconds}
         # [(role, count, options)]; the outbox dispatcher runs beside the workers.
         if roles is None:
-            roles = [("worker", self.processes, worker_options)] if workers else []
+            roles = [("worker", self.processes, {**worker_options, "listen_turns": self.listen_turns})
+                     ] if workers else []
             if dispatchers:
                 # In burst mode a dispatcher beside workers waits until they are done.
                 roles.append(("dispatcher", dispatchers,
@@ -146,6 +156,9 @@ class Supervisor:
                     continue
                 self._restart(slot, code)
         logger.info("supervisor exiting")
+        if self.listen_turns:
+            with contextlib.suppress(OSError):
+                os.unlink(self.listen_turns)
         return 0
 
     def _restart(self, slot, code):

@@ -12,6 +12,11 @@ import socket
 import threading
 import time
 
+try:
+    import fcntl
+except ImportError:  # Windows: every idle worker listens
+    fcntl = None
+
 from django.db import connection, connections
 from django.db.utils import DatabaseError, InterfaceError
 
@@ -116,12 +121,27 @@ class Waiter:
     # What an idle waiter listens to on PostgreSQL, and when its next work falls due.
     channel = "durable_jobs"
 
-    def __init__(self, poll_interval):
+    # How often an idle worker that is not listening checks whether its turn came.
+    turn_poll = 0.005
+
+    def __init__(self, poll_interval, turns=None):
         self.poll_interval = poll_interval
         self._listen = None
+        # A lock file shared by the idle workers of one supervisor: the holder listens,
+        # the others wait for their turn. NOTIFY wakes every listener, so without turns
+        # every idle process races for each new job, and on a small machine the
+        # losers' claims slow the winner down. A worker that dies releases its turn.
+        self._turns_path = turns
+        self._turns = None  # (pid, fd): a forked child must not share its parent's lock
+        self._holding = False
 
-    def next_due(self):
-        return locking.next_due()
+    def seconds_until_due(self):
+        """Seconds until the earliest job falls due (negative: overdue), or None.
+
+        One prepared read: cheap for the idle workers a wake-up found nothing for while
+        another one runs the job.
+        """
+        return locking.seconds_until_due()
 
     def _listen_connection(self):
         if self._listen is None:
@@ -145,9 +165,9 @@ class Waiter:
     def wait(self, stopping):
         """Return after new work was signalled, something became due, or the poll interval."""
         timeout = self.poll_interval
-        due = self.next_due()
-        if due is not None:
-            timeout = max(0.0, min(timeout, (due - locking.db_now()).total_seconds()))
+        until = self.seconds_until_due()
+        if until is not None:
+            timeout = max(0.0, min(timeout, until))
         if timeout <= 0:
             return
         if connection.vendor == "postgresql" and durable_settings.LISTEN:
@@ -156,6 +176,10 @@ class Waiter:
                 deadline = time.monotonic() + timeout
                 # In short slices, so a SIGTERM (which only sets a flag) is noticed promptly.
                 while not stopping() and time.monotonic() < deadline:
+                    if not self._take_turn():
+                        # Notifications queue on this connection meanwhile: none is missed.
+                        time.sleep(max(0.0, min(self.turn_poll, deadline - time.monotonic())))
+                        continue
                     slice_ = min(0.5, deadline - time.monotonic())
                     if any(True for _ in conn.notifies(timeout=slice_, stop_after=1)):
                         return
@@ -163,10 +187,34 @@ class Waiter:
             except Exception as exc:  # noqa: BLE001 - fall back to polling, never die here
                 logger.warning("LISTEN failed, polling instead: %s", exc)
                 self.close()
+            finally:
+                self._give_turn()
         if connection.vendor == "sqlite":
             self._wait_sqlite(timeout, stopping)
         else:
             self._sleep(timeout, stopping)
+
+    def _take_turn(self):
+        if self._turns_path is None or fcntl is None or self._holding:
+            return True
+        if self._turns is None or self._turns[0] != os.getpid():
+            try:
+                self._turns = (os.getpid(), os.open(self._turns_path, os.O_RDWR | os.O_CREAT, 0o600))
+            except OSError as exc:
+                logger.warning("listening turns unavailable (%s): every idle worker listens", exc)
+                self._turns_path = None
+                return True
+        try:
+            fcntl.flock(self._turns[1], fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        self._holding = True
+        return True
+
+    def _give_turn(self):
+        if self._holding:
+            self._holding = False
+            fcntl.flock(self._turns[1], fcntl.LOCK_UN)
 
     def _wait_sqlite(self, timeout, stopping):
         # PRAGMA data_version changes when another connection commits: polling it is a
@@ -186,6 +234,7 @@ class Waiter:
             time.sleep(min(0.05, deadline - time.monotonic()))
 
     def close(self):
+        self._give_turn()
         if self._listen is not None:
             try:
                 self._listen.close()
@@ -248,7 +297,7 @@ class Worker(Drains):
     draining_message = "finishing the current step, then exiting"
 
     def __init__(self, *, name=None, workflows=None, queues=None, burst=False,
-                 lease_seconds=None, poll_interval=None):
+                 lease_seconds=None, poll_interval=None, listen_turns=None):
         self.name = name or worker_id()
         self.workflows = workflows or None
         self.queues = queues or None
@@ -257,7 +306,7 @@ class Worker(Drains):
         self.heartbeat = Heartbeat(self.lease_seconds)
         self.runner = Runner(self.name, self.heartbeat, self.lease_seconds, self.workflows,
                              self.queues)
-        self.waiter = Waiter(poll_interval or durable_settings.POLL_INTERVAL)
+        self.waiter = Waiter(poll_interval or durable_settings.POLL_INTERVAL, turns=listen_turns)
         self.steps_run = 0
 
     def stop(self):

@@ -91,3 +91,15 @@ def test_a_bad_queue_is_refused_before_anything_is_written(queue):
     with pytest.raises(PayloadInvalid, match="queue"):
         durable.submit("recorded", "j", {}, queue=queue)
     assert not Job.objects.exists()
+
+
+def test_an_idle_worker_learns_when_the_next_job_is_due_in_one_read():
+    import datetime
+
+    assert locking.seconds_until_due() is None
+    durable.submit("recorded", "later", {}, run_after=locking.db_now() + datetime.timedelta(seconds=60))
+    assert 55 < locking.seconds_until_due() <= 60
+    durable.submit("recorded", "now", {})
+    assert -5 < locking.seconds_until_due() <= 0
+    Job.objects.all().update(next_run_at=None)
+    assert locking.seconds_until_due() is None
