@@ -13,7 +13,7 @@ from durable import locking
 from durable.models import EventKind, Job, JobEvent, StepResult
 from durable.runner import Runner
 
-from .conftest import wait_for
+from .conftest import ON_POSTGRES, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -130,6 +130,41 @@ def test_sigterm_drains_the_current_step_then_releases_the_job(workers, tmp_path
     assert job.lease_owner is None and job.next_run_at is not None
     assert executions(log)[("j", "b")] == 1
     assert "received Terminated" in workers.output(proc)
+
+
+def _listening_turn_holder(pids):
+    """The pid among ``pids`` that holds a flock (the idle worker whose turn it is to listen)."""
+    for line in Path("/proc/locks").read_text().splitlines():
+        fields = line.split()
+        if len(fields) > 4 and fields[1] == "FLOCK" and int(fields[4]) in pids:
+            return int(fields[4])
+    return None
+
+
+@pytest.mark.crash
+@pytest.mark.skipif(not ON_POSTGRES, reason="idle workers take turns listening on PostgreSQL")
+def test_idle_workers_take_turns_listening_and_a_killed_listener_passes_the_turn_on(workers):
+    import os
+
+    from tests.drills.lab import children
+
+    proc = workers.start("--no-dispatcher", processes=3, DURABLE_POLL_INTERVAL=60)
+    wait_for(lambda: len(children(proc.pid)) == 3, timeout=20, message="three workers")
+    holder = wait_for(lambda: _listening_turn_holder(set(children(proc.pid))), timeout=20,
+                      message="one idle worker listening")
+    os.kill(holder, signal.SIGKILL)
+    # With a 60 s poll interval only a wake-up starts these within the time allowed:
+    # the turn passed to a live worker when the listener died.
+    for i in range(3):
+        submitted = time.monotonic()
+        durable.submit("recorded", f"j{i}", {})
+        wait_for(lambda i=i: job_state(f"j{i}") == "c_done", timeout=20, interval=0.005,
+                 message=f"job {i} after the listener was killed")
+        assert time.monotonic() - submitted < 20
+    for i in range(3, 6):  # and several at once
+        durable.submit("recorded", f"j{i}", {})
+    wait_for(lambda: Job.objects.filter(state="c_done").count() == 6, timeout=20, message="six jobs")
+    assert workers.terminate(proc) == 0
 
 
 @pytest.mark.crash
