@@ -266,7 +266,7 @@ def _loop_schema_pg(url, events, index, start, seconds, out):
 
 
 def measure(kind, processes, seconds, *, sqlite_path=None, synchronous="FULL", pg_url=None,
-            shape="minimal", events=2):
+            shape="minimal", events=1):
     """Commit a transaction shape from ``processes`` processes for ``seconds``; return rates.
 
     ``shape="minimal"``: one insert, one update, commit, on two small tables.

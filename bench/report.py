@@ -105,7 +105,7 @@ def rows(result):
     out = []
     out.append(("Ceiling: raw driver, no Django. minimal = insert + update + commit on two small "
                 "tables; durable-shape = durable's per-step statements (CAS update, memo insert, "
-                "2-row event insert, commit) on durable's own tables",
+                "event insert, commit) on durable's own tables",
                 ["database", "minimal tx/s", "CPU µs/tx", "durable-shape tx/s", "CPU µs/tx"],
                 [[k, _fmt(v["tx_per_s"]), _fmt(v["cpu_us_per_tx"]), _fmt(v["schema_tx_per_s"]),
                   _fmt(v["schema_cpu_us_per_tx"])] for k, v in s["ceiling"].items()]))
