@@ -52,6 +52,59 @@ class Commits:
         self.conn.commit = self._original
 
 
+class HotStatements:
+    """Every statement the worker sends and every commit, including the raw hot path's.
+
+    SQLite: the connection's own trace (what SQLite executed, BEGIN and COMMIT included).
+    PostgreSQL: Django's captured queries, plus the statements sent through
+    ``locking.pg_execute``; a commit is an explicit COMMIT or a hot statement sent
+    outside a transaction (it commits itself).
+    """
+
+    def __init__(self, conn):
+        self.conn, self.statements, self.commits = conn, [], 0
+
+    def __enter__(self):
+        from django.test.utils import CaptureQueriesContext
+
+        from durable import locking
+
+        self.conn.ensure_connection()
+        if self.conn.vendor == "sqlite":
+            def trace(sql):
+                self.statements.append(sql)
+                if sql.strip().upper() == "COMMIT":
+                    self.commits += 1
+
+            self.conn.connection.set_trace_callback(trace)
+            return self
+        self._explicit = Commits(self.conn)
+        self._captured = CaptureQueriesContext(self.conn).__enter__()
+        self._pg_execute = original = locking.pg_execute
+
+        def pg_execute(sql, params, db=None):
+            self.statements.append(sql)
+            if not self.conn.in_atomic_block:
+                self.commits += 1
+            return original(sql, params, db)
+
+        locking.pg_execute = pg_execute
+        return self
+
+    def __exit__(self, *exc):
+        from durable import locking
+
+        if self.conn.vendor == "sqlite":
+            self.conn.connection.set_trace_callback(None)
+            return False
+        locking.pg_execute = self._pg_execute
+        self._captured.__exit__(*exc)
+        self._explicit.close()
+        self.statements += [q["sql"] for q in self._captured.captured_queries]
+        self.commits += self._explicit.count
+        return False
+
+
 def drain_inline(worker):
     steps = 0
     while True:
@@ -117,7 +170,6 @@ def main(argv=None):
     args = p.parse_args(argv)
     _setup()
     from django.db import connection, connections
-    from django.test.utils import CaptureQueriesContext
 
     from bench.phase import submit_noop
     from durable.models import Job
@@ -134,18 +186,15 @@ def main(argv=None):
     submit_noop(20, prefix="warm")
     drain_inline(worker)
     submit_noop(args.jobs, prefix="count")
-    commits = Commits(connections["default"])
     began = time.perf_counter()
-    with CaptureQueriesContext(connection) as ctx:
+    with HotStatements(connections["default"]) as log:
         steps = drain_inline(worker)
     elapsed = time.perf_counter() - began
-    commits.close()
     assert Job.objects.filter(id__startswith="count-").exclude(state="three_done").count() == 0
-    # The final claim that found nothing is not a step's cost.
-    by_statement = collections.Counter(_normalise(q["sql"]) for q in ctx.captured_queries)
+    by_statement = collections.Counter(_normalise(sql) for sql in log.statements)
     lines = [f"# statements per step on {vendor}: {args.jobs} jobs, {steps} steps, inline worker loop",
-             f"# {len(ctx.captured_queries)} statements ({len(ctx.captured_queries) / steps:.2f}/step),"
-             f" {commits.count} commits ({commits.count / steps:.2f}/step),"
+             f"# {len(log.statements)} statements ({len(log.statements) / steps:.2f}/step),"
+             f" {log.commits} commits ({log.commits / steps:.2f}/step),"
              f" {elapsed / steps * 1e6:.0f} us/step wall (statement capture on)", ""]
     for sql, n in by_statement.most_common():
         lines.append(f"{n / args.jobs:6.2f}/job {n / steps:5.2f}/step  {sql[:400]}")
