@@ -128,11 +128,11 @@ def sqlite_transaction(write, db=None):
         raw.execute("BEGIN IMMEDIATE")
         try:
             result = write(db)
+            raw.execute("COMMIT")
         except BaseException:
             if raw.in_transaction:
                 raw.execute("ROLLBACK")
             raise
-        raw.execute("COMMIT")
     return result
 
 

@@ -103,3 +103,19 @@ def test_an_idle_worker_learns_when_the_next_job_is_due_in_one_read():
     assert -5 < locking.seconds_until_due() <= 0
     Job.objects.all().update(next_run_at=None)
     assert locking.seconds_until_due() is None
+
+
+@pytest.mark.skipif(ON_POSTGRES, reason="SQLite's own transaction helper")
+@pytest.mark.django_db(transaction=True)
+def test_a_failed_write_on_sqlite_rolls_back_and_leaves_no_transaction_open():
+    durable.submit("recorded", "j", {})
+
+    def write(db):
+        locking.sqlite_execute("UPDATE durable_job SET state = 'tampered' WHERE id = ?", ("j",), db)
+        raise RuntimeError("the step's write failed half way")
+
+    with pytest.raises(RuntimeError, match="half way"):
+        locking.sqlite_transaction(write)
+    assert not connection.connection.in_transaction
+    assert Job.objects.get(pk="j").state == "pending"
+    assert locking.sqlite_transaction(lambda db: "committed") == "committed"
