@@ -15,8 +15,7 @@ import sys
 # (label, regex matched against any frame of a sample); a sample counts once per label.
 MARKERS = [
     ("worker loop (everything in the worker)", r"Worker\.run \(durable/worker\.py"),
-    ("  step commit (complete_step / complete_and_claim)",
-     r"(complete_step|complete_and_claim) \(durable/locking\.py"),
+    ("  step commit (complete_step)", r"complete_step \(durable/locking\.py"),
     ("  claim and start (claim_job / _sqlite_claim / _pg_claim)",
      r"(claim_job|_sqlite_claim|_pg_claimed) \(durable/locking\.py"),
     ("  driver execute (sqlite3 / psycopg, incl. server round trip)",

@@ -251,11 +251,11 @@ _NO_STARTS = Starts(())
 def claim_job(owner, lease_seconds, workflows=None, queues=None, starts=None):
     """Take the lease of the oldest due job and start its step, or return None.
 
-    On PostgreSQL this is one statement, safe in autocommit (it commits itself) or
-    inside the caller's transaction; ``FOR UPDATE SKIP LOCKED`` lets concurrent
-    workers pass over each other's candidates instead of queueing on them. On SQLite
-    it must run in a transaction, which is IMMEDIATE (settings): it already holds the
-    database's single write lock, so the select-then-update cannot race.
+    One write of its own, or part of the caller's transaction. On PostgreSQL it is one
+    statement; ``FOR UPDATE SKIP LOCKED`` lets concurrent workers pass over each
+    other's candidates instead of queueing on them. On SQLite it runs in an IMMEDIATE
+    transaction: it holds the database's single write lock, so the select-then-update
+    cannot race.
     A job whose lease expired is simply due again: reclaiming a dead worker's job is
     the normal claim path, not a separate recovery pass. ``starts`` (a ``Starts``)
     says which states the claim moves to their step's working state, with an event;
@@ -265,7 +265,7 @@ def claim_job(owner, lease_seconds, workflows=None, queues=None, starts=None):
     if db.vendor == "postgresql":
         return _pg_claimed(pg_execute(*_pg_claim(owner, lease_seconds, workflows, queues, starts), db=db),
                            owner)
-    return _sqlite_claim(db, owner, lease_seconds, workflows, queues, starts)
+    return sqlite_transaction(lambda db: _sqlite_claim(db, owner, lease_seconds, workflows, queues, starts), db)
 
 
 def _pg_claim(owner, lease_seconds, workflows, queues, starts):
@@ -395,6 +395,19 @@ def fenced(queryset, token):
     return queryset.filter(lease_token=token, lease_until__gte=Now())
 
 
+def check_path(table, workflow, frm, path):
+    """Raise IllegalTransition unless every edge of ``frm -> path...`` is in ``table``; return the end."""
+    current = frm
+    for to in path:
+        if not table.allows(current, to):
+            raise IllegalTransition(
+                f"{workflow}: {current} -> {to} is not in the transition table"
+                f" (allowed from {current}: {', '.join(table.edges.get(current, ())) or 'nothing'})"
+            )
+        current = to
+    return current
+
+
 def transition(
     job,
     path,
@@ -425,14 +438,7 @@ def transition(
 
         table = registry.get(job.workflow).table
     frm = expect if expect is not None else job.state
-    current = frm
-    for to in path:
-        if not table.allows(current, to):
-            raise IllegalTransition(
-                f"{job.workflow}: {current} -> {to} is not in the transition table"
-                f" (allowed from {current}: {', '.join(table.edges.get(current, ())) or 'nothing'})"
-            )
-        current = to
+    current = check_path(table, job.workflow, frm, path)
     qs = Job.objects.filter(pk=job.pk, state=frm)
     if token is not None:
         qs = fenced(qs, token)
@@ -569,42 +575,42 @@ _SQLITE_MEMO = (
 _MICROSECOND = datetime.timedelta(microseconds=1)
 
 
-def complete_step(claimed, path, **step):
-    """Advance a leased job along ``path`` and write its events and memo: one fenced write.
+def complete_step(claimed, path, *, then_claim=None, **step):
+    """Advance a leased job along ``path`` and write its event and memo: one fenced write.
 
     The same effect as ``transition()`` plus a ``StepResult`` insert, written as raw SQL
     because it runs once per step on every worker: on PostgreSQL it is a single
     statement (the inserts read the UPDATE's RETURNING, so a fenced-out worker inserts
     nothing) and a single round trip; outside a transaction it commits itself, so a
     step costs that one round trip. On SQLite it is three statements in one IMMEDIATE
-    transaction (the caller's, or its own). The caller has checked the edges; returns
-    False, having written nothing, when the lease was lost or the job moved.
+    transaction (the caller's, or its own). The caller has checked the edges.
 
-    ``step`` holds keep, terminal, lease_seconds, attempts, result_json, kind, step,
-    actor, data_json and memo: None or (output_json, cost, duration, attempt, workflow).
+    ``then_claim`` = (owner, workflows, queues, starts) also claims the next job, as
+    ``claim_job()``, in the same transaction: one commit for both. A worker whose step
+    was fenced out claims nothing (it writes nothing at all). (psycopg's pipeline
+    mode could send both statements in one round trip; measured, it saved no time and
+    cost CPU.) ``step`` holds keep, terminal, lease_seconds, attempts, result_json,
+    kind, step, actor, data_json and memo: None or (output_json, cost, duration,
+    attempt, workflow). Returns (completed, next Claimed or None); not completed means
+    nothing of the step was written (the lease was lost or the job moved).
     """
     db = _db()
-    if db.vendor == "postgresql":
-        return pg_execute(_PG_COMPLETE, _pg_complete_params(claimed, path, **step), db).fetchone()[0] == 1
-    return sqlite_transaction(lambda db: _sqlite_complete(db, claimed, path, **step), db)
-
-
-def complete_and_claim(claimed, path, *, owner, workflows=None, queues=None, starts=None, **step):
-    """``complete_step()`` then ``claim_job()`` in one transaction: one commit for both.
-
-    Returns (completed, next Claimed or None). (psycopg's pipeline mode could send both
-    statements in one round trip; measured, it saved no time and cost CPU.)
-    """
     lease_seconds = step["lease_seconds"]
-    db = _db()
     if db.vendor == "postgresql":
+        if then_claim is None:
+            return pg_execute(_PG_COMPLETE, _pg_complete_params(claimed, path, **step), db).fetchone()[0] == 1, None
+        owner, workflows, queues, starts = then_claim
         with transaction.atomic():
-            done = pg_execute(_PG_COMPLETE, _pg_complete_params(claimed, path, **step), db)
+            if pg_execute(_PG_COMPLETE, _pg_complete_params(claimed, path, **step), db).fetchone()[0] != 1:
+                return False, None
             taken = pg_execute(*_pg_claim(owner, lease_seconds, workflows, queues, starts), db=db)
-            return done.fetchone()[0] == 1, _pg_claimed(taken, owner)
+            return True, _pg_claimed(taken, owner)
 
     def write(db):
         done = _sqlite_complete(db, claimed, path, **step)
+        if then_claim is None or not done:
+            return done, None
+        owner, workflows, queues, starts = then_claim
         return done, _sqlite_claim(db, owner, lease_seconds, workflows, queues, starts)
 
     return sqlite_transaction(write, db)

@@ -10,11 +10,11 @@ import logging
 import time
 from decimal import Decimal
 
-from django.db import DataError, connection, transaction
+from django.db import DataError, transaction
 
 from . import faults, locking
 from .conf import durable_settings
-from .exceptions import IllegalTransition, UnknownWorkflow
+from .exceptions import UnknownWorkflow
 from .models import EventKind, Job, JobEvent, StepResult
 from .retry import backoff, classify, describe, scrub
 from .serialization import storable_json
@@ -62,24 +62,19 @@ class Runner:
 
     def claim(self, workflows=None, queues=None):
         """Claim a due job and start its next step, with one commit."""
-        if connection.in_atomic_block:
-            started = self._claim_and_start(workflows, queues)
-        elif locking.is_postgres():
-            # One statement that commits itself: the claim and, for a job at a step's
-            # start, the step's start and its event.
-            started = self._begin(self._claim_job(workflows, queues))
-        else:
-            started = self._begin(locking.sqlite_transaction(lambda db: self._claim_job(workflows, queues)))
+        started = self._begin(self._claim_job(workflows, queues))
         if started is not None:
             faults.point("after_claim")
         return started
 
     def _begin(self, claimed):
-        """Start a job claimed in a transaction that has committed."""
-        if claimed is None or claimed.started_step is not None:
-            return None if claimed is None else self._start(claimed)
-        # A state the claim statement does not start (a lease that expired mid-step,
-        # an unknown workflow): its bookkeeping commits on its own.
+        """Start a claimed job; the claim statement already started most (see locking.Starts)."""
+        if claimed is None:
+            return None
+        if claimed.started_step is not None:
+            return self._start(claimed)
+        # A state the claim does not start (a lease that expired mid-step, an unknown
+        # workflow): its bookkeeping is a transaction of its own.
         with transaction.atomic():
             return self._start(claimed)
 
@@ -87,17 +82,11 @@ class Runner:
         if self._starts is None or self._starts_generation != registry.generation:
             self._starts_generation = registry.generation
             self._starts = locking.Starts(registry.all())
+        return self._starts
 
     def _claim_job(self, workflows=None, queues=None):
-        self._refresh_starts()
         return locking.claim_job(self.owner, self.lease_seconds, workflows or self.workflows,
-                                 queues or self.queues, self._starts)
-
-    def _claim_and_start(self, workflows=None, queues=None):
-        claimed = self._claim_job(workflows, queues)
-        if claimed is None:
-            return None
-        return self._start(claimed)
+                                 queues or self.queues, self._refresh_starts())
 
     def _start(self, claimed):
         try:
@@ -258,26 +247,19 @@ class Runner:
         path = [states.done, nxt.working] if keep_going else [states.done]
         if terminal:
             faults.point("before_final_transition")
-        claimed_next = None
+        # The next job's claim rides on the commit that finishes this one.
         chain = not keep_going and self.chain and not self.stopping
         try:
-            if chain:
-                # The next job's claim rides on the commit that finishes this one.
-                ok, claimed_next = self._commit_step(started, path, output, cost, duration,
-                                                     write_memo, keep_going, terminal, chain=True,
-                                                     output_json=output_json)
-            else:
-                # One write that commits itself (or joins a transaction the caller holds).
-                ok = self._commit_step(started, path, output, cost, duration, write_memo,
-                                       keep_going, terminal, output_json=output_json)
+            ok, claimed_next = self._commit_step(started, path, output, cost, duration, write_memo,
+                                                 keep_going, terminal, chain, output_json)
         except DataError as exc:
             # The database refused the values themselves (not an outage): retrying the
             # same output cannot help, so the step fails here instead of looping.
             return self._failed(started, exc, 0)
-        following = self._begin(claimed_next)
         if not ok:
             self._lost(started)
-            return following
+            return None
+        following = self._begin(claimed_next)
         faults.point("after_final_transition" if terminal else "after_commit")
         started.memos[step.name] = output
         if logger.isEnabledFor(logging.DEBUG if keep_going else logging.INFO):
@@ -303,19 +285,15 @@ class Runner:
         return started
 
     def _commit_step(self, started, path, output, cost, duration, write_memo, keep_going, terminal,
-                     chain=False, output_json=None):
+                     chain, output_json):
+        """One write (or, with ``chain``, one transaction with the next claim): (ok, next Claimed)."""
         claimed, step = started.claimed, started.step
-        table = started.table
-        current = claimed.state
-        for to in path:  # the table is checked here, as transition() would
-            if not table.allows(current, to):
-                raise IllegalTransition(f"{claimed.workflow}: {current} -> {to} is not in the transition table")
-            current = to
+        locking.check_path(started.table, claimed.workflow, claimed.state, path)
         if output_json is None:
             output_json = storable_json(output)
         # The event's data, written directly: a number and a Decimal's digits need no escaping.
         # One event per step: a step that continues records the state it passed through.
-        via = f', "via": "{path[0]}"' if len(path) > 1 else ""
+        via = f', "via": {json.dumps(path[0])}' if len(path) > 1 else ""
         data_json = (f'{{"attempt": {int(started.attempt)}, "cost": "{cost}", '
                      f'"ms": {round(duration.total_seconds() * 1000, 3)}{via}}}')
         fields = dict(
@@ -326,16 +304,11 @@ class Runner:
             memo=(output_json, cost, duration, started.attempt, started.workflow.name)
             if write_memo else None,
         )
-        if chain:
-            self._refresh_starts()
-            ok, claimed_next = locking.complete_and_claim(
-                claimed, path, owner=self.owner, workflows=self.workflows, queues=self.queues,
-                starts=self._starts, **fields)
-        else:
-            ok = locking.complete_step(claimed, path, **fields)
+        then_claim = (self.owner, self.workflows, self.queues, self._refresh_starts()) if chain else None
+        ok, claimed_next = locking.complete_step(claimed, path, then_claim=then_claim, **fields)
         if ok:
             claimed.state = path[-1]
-        return (ok, claimed_next) if chain else ok
+        return ok, claimed_next
 
     def _action(self, started, action, ctx, cost, duration):
         """Hand an action to the outbox (see durable.dispatch) in the completing transaction."""

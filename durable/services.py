@@ -4,6 +4,7 @@ Every verb checks the transition table, writes with a compare-and-swap, and reco
 who did it and why in JobEvent (and Django's admin log when a user is given).
 """
 
+import contextlib
 import datetime
 import hashlib
 import json
@@ -101,40 +102,32 @@ def submit(workflow, key, payload, *, run_after=None, queue="default", submitted
     if not isinstance(queue, str) or not queue or len(queue) > Job._meta.get_field("queue").max_length:
         raise PayloadInvalid("The queue must be a non-empty string of at most 100 characters")
     payload_json = _normalise_payload(payload, as_json=True)
-    fields = {
-        "id": key, "workflow": definition.name, "workflow_version": definition.version,
-        "queue": queue, "state": definition.table.initial, "submitted_by": str(submitted_by or ""),
-    }
-
-    def insert():
-        return locking.insert_job(
-            key=key, workflow=definition.name, version=definition.version, queue=queue,
-            state=fields["state"], payload_json=payload_json, run_after=run_after,
-            submitted_by=fields["submitted_by"], message=f"{definition.name} v{definition.version}",
+    state, by = definition.table.initial, str(submitted_by or "")
+    # One statement of its own; inside a caller's transaction, a savepoint, so that a
+    # refused insert leaves that transaction usable.
+    with transaction.atomic() if connection.in_atomic_block else contextlib.nullcontext():
+        stamps = locking.insert_job(
+            key=key, workflow=definition.name, version=definition.version, queue=queue, state=state,
+            payload_json=payload_json, run_after=run_after, submitted_by=by,
+            message=f"{definition.name} v{definition.version}",
         )
-
-    if connection.in_atomic_block:
-        # A savepoint: a refused insert leaves the caller's transaction usable.
-        with transaction.atomic():
-            stamps = insert()
-    else:
-        stamps = insert()  # one statement (one transaction) of its own
+    payload = json.loads(payload_json)
     if stamps is None:
         existing = Job.objects.filter(pk=key).first()
         if existing is None:
             # Deleted (purged) between the insert and this read: a rare race, said plainly.
             raise IdempotencyConflict(f"Job {key!r} was being replaced while it was submitted; submit again")
-        if existing.workflow != definition.name or not _same_json(existing.payload, json.loads(payload_json)):
+        if existing.workflow != definition.name or not _same_json(existing.payload, payload):
             raise IdempotencyConflict(
                 f"Job {key!r} already exists for workflow {existing.workflow!r} with a different"
                 f" {'workflow' if existing.workflow != definition.name else 'payload'}"
             ) from None
         return existing
     created, updated, next_run_at = stamps
-    job = Job(**fields, payload=json.loads(payload_json), created=created, updated=updated,
+    job = Job(id=key, workflow=definition.name, workflow_version=definition.version, queue=queue,
+              state=state, payload=payload, submitted_by=by, created=created, updated=updated,
               next_run_at=next_run_at)
-    job._state.adding = False
-    job._state.db = connection.alias
+    job._state.adding, job._state.db = False, connection.alias
     return job
 
 

@@ -118,7 +118,7 @@ class Heartbeat(threading.Thread):
 class Waiter:
     """Sleeps an idle worker until new work may exist, as cheaply as the database allows."""
 
-    # What an idle waiter listens to on PostgreSQL, and when its next work falls due.
+    # The NOTIFY channel an idle waiter listens to on PostgreSQL.
     channel = "durable_jobs"
 
     # How often an idle worker that is not listening checks whether its turn came.
