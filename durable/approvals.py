@@ -26,7 +26,7 @@ from django.db import transaction
 from django.db.models import F, Sum
 from django.db.models.functions import Now
 
-from . import faults, locking
+from . import audit, faults, locking
 from .conf import durable_settings
 from .exceptions import DecisionForbidden, DecisionRefused, OperatorError
 from .models import (
@@ -39,7 +39,6 @@ from .models import (
     OutboxStatus,
     StepResult,
 )
-from .services import _actor, _admin_log
 from .workflows import Action, Context, registry
 
 logger = logging.getLogger("durable.approvals")
@@ -519,7 +518,7 @@ def _decide(approval_id, seen_hash, user, verb):
                         " it can no longer be decided. Prepare it again from current inputs.")
     job = approval.job
     if (verb == "approve" and durable_settings.FOUR_EYES and job.submitted_by
-            and job.submitted_by == _actor(user)):
+            and job.submitted_by == audit.actor(user)):
         raise DecisionForbidden(
             f"You submitted job {job.pk}; four-eyes approval needs another person to approve it."
         )
@@ -552,7 +551,7 @@ def approve(approval_id, seen_hash, user, note=""):
                 decided_at=now, note=note,
             )
             ok = locking.transition(
-                job, states.in_flight, expect=states.approval, actor=_actor(user),
+                job, states.in_flight, expect=states.approval, actor=audit.actor(user),
                 step=approval.step, kind=EventKind.APPROVAL,
                 message=f"approved: {note}".strip(": "),
                 data={"approval": approval.pk, "hash": approval.proposal_hash, "verb": "approve"},
@@ -560,7 +559,7 @@ def approve(approval_id, seen_hash, user, note=""):
             )
             if not ok:
                 raise DecisionRefused(f"Job {job.pk} moved while you were deciding; reload.")
-            _admin_log(user, approval, f"Approved {approval.proposal_hash[:12]}. {note}".strip())
+            audit.admin_log(user, approval, f"Approved {approval.proposal_hash[:12]}. {note}".strip())
             # Wake the dispatcher as soon as this commits, rather than at its next poll.
             locking.notify("durable_outbox", job.pk)
     if isinstance(checked, _Expired):
@@ -590,7 +589,7 @@ def reject(approval_id, seen_hash, user, reason):
                      last_error=f"rejected: {reason}", version=F("version") + 1,
                      updated=Now())
             ok = locking.transition(
-                job, target, expect=states.approval, actor=_actor(user), step=approval.step,
+                job, target, expect=states.approval, actor=audit.actor(user), step=approval.step,
                 kind=EventKind.APPROVAL, message=f"rejected: {reason}",
                 data={"approval": approval.pk, "hash": approval.proposal_hash, "verb": "reject"},
                 fields={"next_run_at": None, "lease_until": None, "lease_owner": None,
@@ -598,7 +597,7 @@ def reject(approval_id, seen_hash, user, reason):
             )
             if not ok:
                 raise DecisionRefused(f"Job {job.pk} moved while you were deciding; reload.")
-            _admin_log(user, approval, f"Rejected {approval.proposal_hash[:12]}: {reason}")
+            audit.admin_log(user, approval, f"Rejected {approval.proposal_hash[:12]}: {reason}")
     if isinstance(checked, _Expired):
         raise DecisionRefused(str(checked))
     approval.refresh_from_db()
@@ -624,13 +623,13 @@ def prepare_again(approval_id, user, reason=""):
         now = locking.db_now()
         if approval.status == ApprovalStatus.REQUESTED:
             status = ApprovalStatus.EXPIRED if approval.expires_at <= now else ApprovalStatus.SUPERSEDED
-            _close(approval, status, f"set aside by {_actor(user)} to prepare again. {reason}".strip())
+            _close(approval, status, f"set aside by {audit.actor(user)} to prepare again. {reason}".strip())
         Outbox.objects.filter(job_id=job.pk, kind=approval.step, status=OutboxStatus.PENDING).update(
             next_attempt_at=None, last_error="set aside: preparing a new proposal",
             version=F("version") + 1, updated=Now(),
         )
         ok = locking.transition(
-            job, states.before, expect=states.approval, actor=_actor(user), step=approval.step,
+            job, states.before, expect=states.approval, actor=audit.actor(user), step=approval.step,
             kind=EventKind.APPROVAL, message=f"prepare again: {reason}".strip(": "),
             data={"approval": approval.pk, "verb": "prepare_again"},
             fields={"next_run_at": Now(), "attempts": 0, "lease_until": None,
@@ -638,7 +637,7 @@ def prepare_again(approval_id, user, reason=""):
         )
         if not ok:
             raise DecisionRefused(f"Job {job.pk} moved while you were acting on it; reload.")
-        _admin_log(user, approval, f"Prepare again. {reason}".strip())
+        audit.admin_log(user, approval, f"Prepare again. {reason}".strip())
         locking.notify("durable_jobs", job.workflow)
     return job
 

@@ -12,11 +12,10 @@ from django.db import transaction
 from django.db.models import F
 from django.db.models.functions import Now
 
-from . import destinations, locking
+from . import audit, destinations, locking
 from .dispatch import OUTBOX_CHANNEL, _Context, complete, fail
 from .exceptions import ActionChanged, DurableError, OperatorError
 from .models import EventKind, Job, JobEvent, Outbox, OutboxStatus
-from .services import _actor, _admin_log
 from .workflows import registry
 
 logger = logging.getLogger("durable.dispatch")
@@ -99,11 +98,11 @@ def _record(ctx, user, verb, reason, seen, message=None):
     row, job = ctx.row, ctx.job
     text = message or f"{verb}: {reason}".strip(": ")
     JobEvent.objects.create(
-        job_id=job.pk, kind=EventKind.OPERATOR, step=row.kind, actor=_actor(user),
+        job_id=job.pk, kind=EventKind.OPERATOR, step=row.kind, actor=audit.actor(user),
         from_state=job.state, to_state=job.state, message=text,
         data={"verb": verb, "action": row.pk, "version": seen, "key": row.idempotency_key},
     )
-    _admin_log(user, job, f"{verb} (action {row.pk}). {reason}".strip())
+    audit.admin_log(user, job, f"{verb} (action {row.pk}). {reason}".strip())
 
 
 def _move(ctx, to, user, verb, reason, seen, fields=None):
@@ -111,7 +110,7 @@ def _move(ctx, to, user, verb, reason, seen, fields=None):
     if job.state == to:
         return
     ok = locking.transition(
-        job, to, expect=job.state, actor=_actor(user), step=ctx.row.kind, table=ctx.table,
+        job, to, expect=job.state, actor=audit.actor(user), step=ctx.row.kind, table=ctx.table,
         kind=EventKind.OPERATOR, message=f"{verb}: {reason}".strip(": "),
         data={"verb": verb, "action": ctx.row.pk, "version": seen}, fields=fields,
     )
@@ -157,7 +156,7 @@ def mark_happened(action_id, remote_id, *, version, user=None, reason=""):
     with transaction.atomic():
         ctx = _locked(action_id, version, user, reason)
         _require(ctx, _UNSETTLED, "mark it happened")
-        who = _actor(user)
+        who = audit.actor(user)
         summary = f"marked happened by {who}" + (f": {reason}" if reason else "")
         _bump(ctx.row, status=OutboxStatus.SUCCEEDED, remote_id=remote_id,
               response_summary=summary, last_error="", next_attempt_at=None)
@@ -167,7 +166,7 @@ def mark_happened(action_id, remote_id, *, version, user=None, reason=""):
         finished = complete(ctx, _memo(ctx.row, how=f"operator {who}"), actor=who,
                             message=f"mark happened: remote id {remote_id}. {reason}".strip(),
                             kind=EventKind.OPERATOR, data={"verb": "mark happened"})
-    logger.info("%s marked action %s happened (remote id %s)", _actor(user), action_id, remote_id)
+    logger.info("%s marked action %s happened (remote id %s)", audit.actor(user), action_id, remote_id)
     if finished:
         from .signals import job_finished
 
@@ -187,7 +186,7 @@ def mark_not_happened(action_id, *, version, user=None, reason=""):
               fields={"last_error": ""})
         locking.notify(OUTBOX_CHANNEL, ctx.job.pk)
     logger.info("%s marked action %s not happened; dispatching again with key %s",
-                _actor(user), action_id, ctx.row.idempotency_key)
+                audit.actor(user), action_id, ctx.row.idempotency_key)
     return ctx.row
 
 
@@ -201,7 +200,7 @@ def cancel_action(action_id, *, version, user=None, reason=""):
             note = "cancelled before it was sent"
         else:
             note = "cancelled while its outcome is unknown: it may have happened"
-        who = _actor(user)
+        who = audit.actor(user)
         error = f"action {note} by {who}" + (f": {reason}" if reason else "")
         _bump(row, status=OutboxStatus.CANCELLED, next_attempt_at=None, last_error=error)
         _record(ctx, user, "cancel action", reason, version)

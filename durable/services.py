@@ -18,7 +18,7 @@ from django.core.serializers.json import DjangoJSONEncoder
 from django.db import connection, transaction
 from django.db.models.functions import Now
 
-from . import locking
+from . import audit, locking
 from .conf import durable_settings
 from .exceptions import IdempotencyConflict, OperatorError, PayloadInvalid
 from .models import ApprovalStatus, EventKind, Job, JobEvent, OutboxStatus, Pause, StepResult
@@ -131,30 +131,6 @@ def submit(workflow, key, payload, *, run_after=None, queue="default", submitted
     return job
 
 
-def _actor(user):
-    if user is None:
-        return "system"
-    if isinstance(user, str):
-        return user
-    return user.get_username()
-
-
-def _admin_log(user, obj, message):
-    """Record a person's action in Django's admin log (the CLI's string users are not logged)."""
-    if user is None or isinstance(user, str) or not getattr(user, "pk", None):
-        return
-    from django.apps import apps
-
-    if not apps.is_installed("django.contrib.admin"):
-        return
-    from django.contrib.admin.models import CHANGE, LogEntry
-
-    LogEntry.objects.log_actions(
-        user_id=user.pk, queryset=[obj], action_flag=CHANGE, change_message=message,
-        single_object=True,
-    )
-
-
 def _get_for_update(job_id):
     try:
         return Job.objects.select_for_update().get(pk=job_id)
@@ -168,12 +144,12 @@ def _lease_is_live(job):
 
 def _operator_move(job, to, user, reason, verb, fields):
     ok = locking.transition(
-        job, to, actor=_actor(user), message=f"{verb}: {reason}".strip(": "),
+        job, to, actor=audit.actor(user), message=f"{verb}: {reason}".strip(": "),
         kind=EventKind.OPERATOR, data={"verb": verb}, fields=fields,
     )
     if not ok:
         raise OperatorError(f"Job {job.pk} moved while you were acting on it; reload and retry")
-    _admin_log(user, job, f"{verb}: {job.state}. {reason}".strip())
+    audit.admin_log(user, job, f"{verb}: {job.state}. {reason}".strip())
     return job
 
 
@@ -202,10 +178,10 @@ def retry_now(job_id, *, user=None, reason=""):
         if _lease_is_live(job):
             raise OperatorError(f"Job {job.pk} is being worked on (lease live)")
         Job.objects.filter(pk=job.pk, state=job.state).update(next_run_at=Now(), updated=Now())
-        JobEvent.objects.create(job_id=job.pk, kind=EventKind.OPERATOR, actor=_actor(user),
+        JobEvent.objects.create(job_id=job.pk, kind=EventKind.OPERATOR, actor=audit.actor(user),
                                 from_state=job.state, to_state=job.state,
                                 message=f"retry now: {reason}".strip(": "), data={"verb": "retry"})
-        _admin_log(user, job, f"retry now. {reason}".strip())
+        audit.admin_log(user, job, f"retry now. {reason}".strip())
         return job
 
 
@@ -253,7 +229,7 @@ def pause(workflow, *, user=None, reason=""):
     """Stop workers claiming jobs of ``workflow`` (running steps finish)."""
     registry.get(workflow)
     Pause.objects.update_or_create(
-        workflow=workflow, defaults={"paused_by": _actor(user), "reason": reason}
+        workflow=workflow, defaults={"paused_by": audit.actor(user), "reason": reason}
     )
 
 
@@ -375,7 +351,7 @@ def replay_step(job_id, step_name, *, user=None, reason="", confirm=None):
             "new": new_output, "cost": str(ctx.cost_total), "ms": round(duration * 1000, 3),
         }, salt=REPLAY_SALT, compress=True)
     JobEvent.objects.create(
-        job_id=job.pk, kind=EventKind.OPERATOR, step=st.name, actor=_actor(user),
+        job_id=job.pk, kind=EventKind.OPERATOR, step=st.name, actor=audit.actor(user),
         from_state=job.state, to_state=job.state,
         message=f"replay preview of {st.name}" + (f" failed: {error}" if error else "")
         + (f": {reason}" if reason else ""),
@@ -407,13 +383,13 @@ def _confirm_replay(job_id, step_name, token, user, reason):
             output=signed["new"], duration=datetime.timedelta(milliseconds=signed["ms"])
         )
         JobEvent.objects.create(
-            job_id=job.pk, kind=EventKind.OPERATOR, step=step_name, actor=_actor(user),
+            job_id=job.pk, kind=EventKind.OPERATOR, step=step_name, actor=audit.actor(user),
             from_state=job.state, to_state=job.state,
             message=f"replay: replaced the memo of {step_name}: {reason}".strip(": "),
             data={"verb": "replay", "old": old_hash, "new": output_hash(signed["new"]),
                   "cost": signed["cost"]},
         )
-        _admin_log(user, job, f"replay: replaced the memo of {step_name}. {reason}".strip())
+        audit.admin_log(user, job, f"replay: replaced the memo of {step_name}. {reason}".strip())
     memo.refresh_from_db()
     return Replay(job_id=job.pk, step=step_name, input=None, old_output=None,
                   old_cost=memo.cost, new_output=memo.output, new_cost=Decimal(signed["cost"]),
