@@ -15,8 +15,8 @@ from django.utils import timezone
 from django.utils.html import format_html
 
 from . import reports, views
+from .formats import age, money
 from .models import Approval, Job, JobEvent, Outbox, Pause, StepResult
-from .templatetags.durable_console import age, money
 
 
 class _YesFilter(admin.SimpleListFilter):

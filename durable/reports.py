@@ -30,7 +30,7 @@ from django.db.models import (
 )
 from django.db.models.functions import TruncDate
 
-from . import locking
+from . import formats, locking
 from .conf import durable_settings
 from .models import Approval, CostRollup, EventKind, Job, JobEvent, Outbox, Pause, StepResult
 from .states import StateKind
@@ -495,17 +495,6 @@ class Alert:
     count: int = 0
 
 
-def _human(seconds):
-    seconds = int(seconds)
-    if seconds < 120:
-        return f"{seconds} s"
-    if seconds < 7200:
-        return f"{seconds // 60} min"
-    if seconds < 172800:
-        return f"{seconds // 3600} h {seconds % 3600 // 60} min"
-    return f"{seconds // 86400} days"
-
-
 _NEXT_MOVE = {
     StateKind.FAILED: "Find its cause under failures, fix it, then requeue the job.",
     StateKind.HUMAN: "Open the job and send it back to the step the table allows, or cancel it.",
@@ -549,8 +538,8 @@ def alerts(*, now=None, workflow=None):
                 )
             found.append(Alert(
                 "oldest", "error", "A job has not moved for too long",
-                f"{job.pk} ({job.workflow}) has been {job.state} for {_human(age)}; "
-                f"the threshold is {_human(threshold)}.",
+                f"{job.pk} ({job.workflow}) has been {job.state} for {formats.age(age)}; "
+                f"the threshold is {formats.age(threshold)}.",
                 todo, "job", {"pk": job.pk}, 1,
             ))
     failed = _failed_jobs(workflow).count()
@@ -572,7 +561,7 @@ def alerts(*, now=None, workflow=None):
     if count:
         soonest = expiring.order_by("expires_at").values_list("expires_at", flat=True).first()
         left = (soonest - now).total_seconds()
-        when = f"the first in {_human(left)}" if left > 0 else "some have already expired"
+        when = f"the first in {formats.age(left)}" if left > 0 else "some have already expired"
         found.append(Alert(
             "approvals", "warning",
             f"{count} approval{'s' if count != 1 else ''} about to expire",

@@ -94,6 +94,13 @@ class TransitionTable:
                 return s
         return None
 
+    def states_for(self, step):
+        """The states of the step named ``step``, as this table declares them, or None."""
+        for s in self.steps:
+            if s.step == step:
+                return s
+        return None
+
     def step_of(self, state):
         """The step a working, waiting or failed state belongs to."""
         for s in self.steps:

@@ -138,3 +138,11 @@ def test_a_state_with_no_way_out_that_is_not_terminal_is_refused():
     )
     with pytest.raises(ImproperlyConfigured, match="'stuck' has no way out"):
         table.validate("t")
+
+
+def test_states_for_names_a_steps_states_as_the_table_declares_them():
+    table = registry.get("sleeper").table
+    states = table.states_for("nap")
+    assert states.timer == "waiting_nap" and states.working == "nap_running"
+    assert table.step_of(states.timer) is states
+    assert table.states_for("no_such_step") is None

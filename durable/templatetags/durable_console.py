@@ -1,63 +1,28 @@
-"""Filters for the console templates: ages, money and JSON shown the same way everywhere."""
+"""Filters for the console templates: ages, money and JSON shown the same way everywhere.
 
-import datetime
+Durations and money are written by ``durable.formats``; the filters are those functions.
+"""
+
 from decimal import Decimal, InvalidOperation
 
 from django import template
 from django.utils import timezone
 
+from .. import formats
+
 register = template.Library()
 
-
-@register.filter
-def age(seconds):
-    """Seconds as a short duration: ``42 s``, ``7 min``, ``3 h 12 min``, ``4 d 3 h``."""
-    if seconds in (None, ""):
-        return "—"
-    if isinstance(seconds, datetime.timedelta):
-        seconds = seconds.total_seconds()
-    seconds = max(int(round(float(seconds))), 0)
-    if seconds < 120:
-        return f"{seconds} s"
-    if seconds < 7200:
-        return f"{seconds // 60} min"
-    if seconds < 172800:
-        hours, minutes = divmod(seconds // 60, 60)
-        return f"{hours} h {minutes} min" if minutes else f"{hours} h"
-    days, hours = divmod(seconds // 3600, 24)
-    return f"{days} d {hours} h" if hours else f"{days} d"
+register.filter("age", formats.age)
+register.filter("duration", formats.duration)
+register.filter("money", formats.money)
 
 
 @register.filter
 def since(moment):
     """The age of a datetime, measured now."""
     if not moment:
-        return "—"
-    return age((timezone.now() - moment).total_seconds())
-
-
-@register.filter
-def duration(value):
-    """A timedelta (or seconds) as ``12 ms`` / ``1.4 s`` / the age format beyond a minute."""
-    if value in (None, ""):
-        return "—"
-    seconds = value.total_seconds() if isinstance(value, datetime.timedelta) else float(value)
-    if seconds < 1:
-        return f"{seconds * 1000:.0f} ms"
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    return age(seconds)
-
-
-@register.filter
-def money(value, places=4):
-    """A Decimal with a fixed number of places (money is never a float)."""
-    if value in (None, ""):
-        return "—"
-    try:
-        return f"{Decimal(str(value)):,.{int(places)}f}"
-    except (InvalidOperation, ValueError):
-        return str(value)
+        return formats.BLANK
+    return formats.age((timezone.now() - moment).total_seconds())
 
 
 @register.filter
@@ -72,7 +37,7 @@ def get(mapping, key):
 @register.filter
 def age_minutes(minutes):
     """A window in minutes as ``15 min`` or ``6 h``."""
-    return age(int(minutes) * 60)
+    return formats.age(int(minutes) * 60)
 
 
 @register.filter

@@ -6,7 +6,7 @@ import json
 from django.core.management.base import BaseCommand, CommandError
 from django.core.serializers.json import DjangoJSONEncoder
 
-from durable import reports, services
+from durable import formats, reports, services
 from durable.exceptions import DurableError
 from durable.workflows import registry
 
@@ -122,12 +122,6 @@ def add_status_arguments(sub):
 # Rendering the status as text: plain tables, one per query, each with its scope.
 
 
-def _age(seconds):
-    from durable.templatetags.durable_console import age
-
-    return age(seconds)
-
-
 def table(headers, rows):
     """Left-aligned columns, numbers right-aligned, two spaces apart."""
     rows = [[("" if v is None else str(v)) for v in row] for row in rows]
@@ -159,7 +153,7 @@ def _scope(status):
 
 def status_lines(status):
     now, overview = status["now"], status["overview"]
-    window = _age(overview.window.total_seconds())
+    window = formats.age(overview.window.total_seconds())
     out = [f"durable status{_scope(status) or ' (all workflows)'} as of "
            f"{now:%Y-%m-%d %H:%M:%S} UTC, database clock", ""]
     out += ["Alerts", *("  " + line for line in alert_lines(status)), ""]
@@ -169,8 +163,8 @@ def status_lines(status):
     if status["paused"]:
         out.append("")
     out.append(f"1. Where is everything? Jobs per workflow and state now; trend over {window}.")
-    rows = [[r.workflow, r.state, r.count, _age(r.avg_age) if r.count else "",
-             _age(r.oldest_age) if r.count else "", r.count_before,
+    rows = [[r.workflow, r.state, r.count, formats.age(r.avg_age) if r.count else "",
+             formats.age(r.oldest_age) if r.count else "", r.count_before,
              "STALLED" if r.stalled else ""] for r in overview.rows]
     out += table(["workflow", "state", "count", "avg age", "oldest", f"{window} ago", ""], rows)
     stuck = status["stuck"]
@@ -179,7 +173,7 @@ def status_lines(status):
     if stuck:
         out += table(["job", "workflow", "state", "attempts", "lease owner", "expired", "last error"],
                      [[r["id"], r["workflow"], r["state"], r["attempts"], r["lease_owner"],
-                       _age(r["expired_for"]) + " ago", (r["last_error"] or "")[:60]] for r in stuck])
+                       formats.age(r["expired_for"]) + " ago", (r["last_error"] or "")[:60]] for r in stuck])
     failures = status["failures"]
     out += ["", f"3. What is failing? Jobs in failed states now, by cause: "
                 f"{sum(g.count for g in failures)} in {len(failures)} groups."]
@@ -190,7 +184,7 @@ def status_lines(status):
     costs = status["costs"]
     total = sum((r["total"] for r in costs), 0)
     out += ["", f"4. Which step costs the money? Memos written in the "
-                f"{_age(status['cost_window'].total_seconds())} to {now:%Y-%m-%d %H:%M} UTC: "
+                f"{formats.age(status['cost_window'].total_seconds())} to {now:%Y-%m-%d %H:%M} UTC: "
                 f"{total:.4f} in all."]
     if costs:
         out += table(["workflow", "step", "count", "total", "mean"],
