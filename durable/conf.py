@@ -60,6 +60,10 @@ DEFAULTS = {
     # manage.py durable purge: roll the costs of purged memos up per day and step first,
     # so the cost report and the cost metrics outlive the rows.
     "PURGE_KEEP_COSTS": True,
+    # Model adapters (durable.llm): prices per model, per million tokens, input and
+    # output: {"gpt-4o-mini": {"input": "0.15", "output": "0.60"}}. A reply that
+    # carries the provider's own cost (usage.cost) is priced by that instead.
+    "MODEL_PRICES": {},
     # Fault injection for drills: the name of a fault point where the process SIGKILLs itself.
     "FAULT_POINT": None,
 }

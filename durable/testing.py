@@ -45,7 +45,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
-__all__ = ["MODES", "Receiver", "ReceiverProcess", "read_store"]
+from .fake_openai import FakeModelServer, reply, tool_call
+
+__all__ = ["MODES", "FakeModelServer", "Receiver", "ReceiverProcess", "read_store", "reply", "tool_call"]
 
 logger = logging.getLogger(__name__)
 

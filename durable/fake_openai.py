@@ -1,0 +1,313 @@
+"""A fake OpenAI-compatible chat-completions server, for tests and the demo.
+
+A model adapter can only be trusted once it has met a server that speaks the real
+wire format, charges tokens, rate-limits, fails, answers late and drops replies.
+:class:`FakeModelServer` is that server: a threaded HTTP server on 127.0.0.1 that
+answers ``POST /v1/chat/completions`` from a script, in the format the official
+``openai`` client parses, and records every request it was sent. The request log is
+the ground truth of what was paid for, whatever the client believes happened.
+
+A script is either a list of replies, chosen by the turn of the conversation (the
+number of assistant messages already in it), so a resumed agent that asks the same
+question again gets the same answer; or a callable ``script(request) -> reply`` that
+reads the request body (a dict) and returns a reply. A reply is built with
+:func:`reply` and :func:`tool_call`::
+
+    with FakeModelServer([
+        reply(tool_calls=[tool_call("lookup_order", {"order_id": "A-1"})], usage=(120, 14)),
+        reply("Your refund is on its way.", usage=(180, 9)),
+    ]) as server:
+        client = openai.OpenAI(base_url=server.url, api_key="test", max_retries=0)
+
+Faults are queued with :meth:`FakeModelServer.fault` and apply to the next requests:
+``rate_limited`` (429 with Retry-After), ``server_error`` (500), ``bad_request``
+(400), ``garbage`` (200 with JSON that is not a completion), ``truncated`` (200 with
+a body cut off mid-JSON), ``slow`` (the reply
+after ``delay`` seconds), ``drop`` (the request is read, then the connection closes
+with no reply: the model did the work and the caller cannot know). :meth:`hold`
+keeps replies back until released, so a test can kill a worker during a call.
+
+Standard library only, like :mod:`durable.testing`'s receiver: it must run wherever
+the tests run and must not share a bug with the client it checks.
+"""
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+__all__ = ["FAULTS", "FakeModelServer", "reply", "tool_call"]
+
+FAULTS = frozenset(
+    {
+        "rate_limited",  # 429 with Retry-After: nothing charged
+        "server_error",  # 500: nothing charged
+        "bad_request",  # 400: the request is refused as malformed
+        "garbage",  # 200 whose body is JSON but not a chat completion
+        "truncated",  # 200 whose body is cut off mid-JSON
+        "slow",  # the reply comes after `delay` seconds (past the caller's timeout)
+        "drop",  # the reply is computed (and charged), then the connection closes
+    }
+)
+
+DEFAULT_MODEL = "fake-model"
+
+
+def tool_call(name, arguments, id=None):
+    """One tool call of a scripted reply; ``arguments`` is a dict or a JSON string."""
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments)
+    return {"id": id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def reply(text=None, *, tool_calls=(), usage=(10, 5), cost=None, model=None):
+    """A scripted assistant reply: text and/or tool calls, with its token usage.
+
+    ``cost`` is added to ``usage.cost``, as providers that report their own price do.
+    """
+    return {
+        "text": text,
+        "tool_calls": [dict(call) for call in tool_calls],
+        "usage": tuple(usage),
+        "cost": None if cost is None else str(cost),
+        "model": model,
+    }
+
+
+@dataclass
+class _Fault:
+    mode: str
+    times: int
+    retry_after: float
+    delay: float
+
+
+@dataclass
+class Call:
+    """One request the server received, and how it answered."""
+
+    body: dict
+    turn: int
+    outcome: str  # "ok", a fault mode, or "invalid"
+    at: float = field(default_factory=time.time)
+
+
+def turn_of(body):
+    """The conversation's turn: how many assistant messages it already holds."""
+    messages = body.get("messages") or []
+    return sum(1 for message in messages if isinstance(message, dict) and message.get("role") == "assistant")
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server_version = "FakeModel/1"
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format, *args):  # the request log is kept in `calls`
+        pass
+
+    def _send(self, status, body, headers=()):
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        for name, value in headers:
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _error(self, status, message, kind="invalid_request_error", headers=()):
+        self._send(status, {"error": {"message": message, "type": kind, "code": None}}, headers)
+
+    def do_GET(self):
+        if self.path.rstrip("/").endswith("/models"):
+            model = self.server.owner.model
+            self._send(200, {"object": "list", "data": [{"id": model, "object": "model", "owned_by": "durable"}]})
+        else:
+            self._error(404, f"no such path: {self.path}")
+
+    def do_POST(self):
+        owner = self.server.owner
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        if not self.path.rstrip("/").endswith("/chat/completions"):
+            self._error(404, f"no such path: {self.path}")
+            return
+        try:
+            body = json.loads(raw or b"null")
+        except ValueError:
+            body = None
+        if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+            owner._record({"raw": raw.decode(errors="replace")}, 0, "invalid")
+            self._error(400, "the body must be a JSON object with a 'messages' list")
+            return
+        if body.get("stream"):
+            owner._record(body, turn_of(body), "invalid")
+            self._error(400, "streaming is not supported by the fake server")
+            return
+        fault = owner._next_fault()
+        turn = turn_of(body)
+        owner._record(body, turn, fault.mode if fault else "ok")
+        if fault and fault.mode == "rate_limited":
+            self._error(429, "rate limited", "rate_limit_error", [("Retry-After", f"{fault.retry_after:g}")])
+            return
+        if fault and fault.mode == "server_error":
+            self._error(500, "internal error", "server_error")
+            return
+        if fault and fault.mode == "bad_request":
+            self._error(400, "the request was refused")
+            return
+        if fault and fault.mode == "garbage":
+            self._send(200, b'{"object": "chat.completion", "choices": "not a list"}')
+            return
+        if fault and fault.mode == "truncated":
+            self._send(200, b'{"object": "chat.completion", "choices": [{"index": 0, "mess')
+            return
+        owner._wait_for_release()
+        try:
+            completion = owner._complete(body, turn)
+        except Exception as exc:  # a broken script is the test's bug: say so in the reply
+            self._error(500, f"script failed: {type(exc).__name__}: {exc}", "server_error")
+            return
+        if fault and fault.mode == "drop":
+            self.close_connection = True
+            self.connection.shutdown(2)
+            return
+        if fault and fault.mode == "slow":
+            time.sleep(fault.delay)
+        try:
+            self._send(200, completion)
+        except (BrokenPipeError, ConnectionResetError):  # the caller gave up (timeout, kill)
+            pass
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+class FakeModelServer:
+    """A chat-completions server on 127.0.0.1 that answers from a script."""
+
+    def __init__(self, script=(), *, port=0, model=DEFAULT_MODEL):
+        self.script = script if callable(script) else list(script)
+        self.model = model
+        self.calls = []
+        self._faults = []
+        self._lock = threading.Lock()
+        self._released = threading.Event()
+        self._released.set()
+        self._arrived = threading.Condition(self._lock)
+        self._server = _Server(("127.0.0.1", port), _Handler)
+        self._server.owner = self
+        self._thread = None
+
+    @property
+    def url(self):
+        """The base URL a client is given (``openai.OpenAI(base_url=server.url)``)."""
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}/v1"
+
+    def start(self):
+        self._thread = threading.Thread(target=self._server.serve_forever, name="fake-model", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self):
+        self._released.set()
+        self._server.shutdown()
+        self._server.server_close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc_info):
+        self.stop()
+
+    def fault(self, mode, times=1, *, retry_after=1, delay=3.0):
+        """Answer the next ``times`` requests with ``mode`` (one of :data:`FAULTS`)."""
+        if mode not in FAULTS:
+            raise ValueError(f"unknown fault {mode!r}; expected one of {sorted(FAULTS)}")
+        with self._lock:
+            self._faults.append(_Fault(mode, times, float(retry_after), float(delay)))
+
+    def hold(self):
+        """Keep every reply back until :meth:`release` (requests are still recorded)."""
+        self._released.clear()
+
+    def release(self):
+        self._released.set()
+
+    def wait_for_calls(self, count, timeout=30.0):
+        """Block until ``count`` requests arrived; return the calls, or raise TimeoutError."""
+        deadline = time.monotonic() + timeout
+        with self._arrived:
+            while len(self.calls) < count:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{len(self.calls)} of {count} model calls arrived in {timeout:g} s")
+                self._arrived.wait(left)
+            return list(self.calls)
+
+    def paid_calls(self):
+        """Calls the model answered (and a provider would charge): ok, slow and dropped."""
+        with self._lock:
+            return [call for call in self.calls if call.outcome in ("ok", "slow", "drop")]
+
+    # Handler side.
+
+    def _record(self, body, turn, outcome):
+        with self._arrived:
+            self.calls.append(Call(body, turn, outcome))
+            self._arrived.notify_all()
+
+    def _next_fault(self):
+        with self._lock:
+            while self._faults and self._faults[0].times <= 0:
+                self._faults.pop(0)
+            if not self._faults:
+                return None
+            fault = self._faults[0]
+            fault.times -= 1
+            return fault
+
+    def _wait_for_release(self):
+        self._released.wait()
+
+    def _complete(self, body, turn):
+        if callable(self.script):
+            scripted = self.script(body)
+        elif turn < len(self.script):
+            scripted = self.script[turn]
+        else:
+            scripted = reply(f"(no scripted reply for turn {turn + 1})")
+        return completion(scripted, body, turn, default_model=self.model)
+
+
+def completion(scripted, body, turn, default_model=DEFAULT_MODEL):
+    """The chat.completion object for a scripted reply (the wire format the client parses)."""
+    calls = []
+    for index, call in enumerate(scripted.get("tool_calls") or ()):
+        call = dict(call)
+        call["id"] = call.get("id") or f"call_{turn + 1}_{index + 1}"
+        calls.append(call)
+    message = {"role": "assistant", "content": scripted.get("text")}
+    if calls:
+        message["tool_calls"] = calls
+    prompt_tokens, completion_tokens = scripted.get("usage") or (0, 0)
+    usage = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+    if scripted.get("cost") is not None:
+        usage["cost"] = float(scripted["cost"])
+    return {
+        "id": f"chatcmpl-fake-{turn + 1}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": scripted.get("model") or body.get("model") or default_model,
+        "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls" if calls else "stop",
+                     "logprobs": None}],
+        "usage": usage,
+    }

@@ -1,0 +1,219 @@
+"""Model adapters: one model call in, one reply with its tokens and cost out.
+
+An adapter turns a provider's reply into a :class:`ModelReply`, the value an agent's
+model memo stores: the assistant message (what the conversation appends), the tool
+calls with their ids, the tokens in and out, the model that answered and the cost.
+It also turns the provider's errors into durable's retry rules, so a rate limit
+waits for its ``Retry-After``, a timeout or a 5xx is retried with jitter, and a
+malformed request is poison instead of an endless retry. The provider SDK is an
+optional extra: it is imported when an adapter is built, never at import time.
+
+Cost comes from the reply when the provider reports its own (``usage.cost``), else
+from ``DURABLE["MODEL_PRICES"]``: per model, input and output prices per million
+tokens, as strings or ``Decimal``::
+
+    DURABLE = {"MODEL_PRICES": {"gpt-4o-mini": {"input": "0.15", "output": "0.60"}}}
+
+A model missing from the table costs ``Decimal("0")`` and says so in
+``ModelReply.priced`` (``"unpriced"``), so an unknown price is visible, not a guess.
+"""
+
+import json
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+
+from .conf import durable_settings
+from .exceptions import PermanentError, RetryableError
+from .retry import parse_retry_after
+
+MILLION = Decimal(1_000_000)
+
+
+class ModelReplyInvalid(RetryableError):
+    """The provider answered with something that is not a usable reply.
+
+    Retryable (a provider's hiccup usually passes); the raw reply is kept in
+    ``raw`` for the operator once the retries are spent.
+    """
+
+    def __init__(self, message, *, raw=None):
+        super().__init__(message)
+        self.raw = raw
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A tool the model asked for: its id (the key of the tool's memo), name and arguments."""
+
+    id: str
+    name: str
+    arguments: str  # the JSON text exactly as the model wrote it
+
+    def parsed_arguments(self):
+        """The arguments as a dict; ``ValueError`` when the model wrote no JSON object."""
+        value = json.loads(self.arguments or "{}")
+        if not isinstance(value, dict):
+            raise ValueError("tool arguments must be a JSON object")
+        return value
+
+
+@dataclass(frozen=True)
+class ModelReply:
+    """One model call's result: what the memo keeps and the conversation appends."""
+
+    message: dict
+    text: str | None
+    tool_calls: tuple = ()
+    input_tokens: int = 0
+    output_tokens: int = 0
+    model: str = ""
+    cost: Decimal = Decimal("0")
+    priced: str = "table"  # "provider", "table" or "unpriced"
+    extra: dict = field(default_factory=dict)
+
+    def as_memo(self):
+        """A JSON-ready dict (the memo's output)."""
+        return {
+            "message": self.message,
+            "text": self.text,
+            "tool_calls": [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in self.tool_calls],
+            "input_tokens": self.input_tokens,
+            "output_tokens": self.output_tokens,
+            "model": self.model,
+            "cost": str(self.cost),
+            "priced": self.priced,
+        }
+
+    @classmethod
+    def from_memo(cls, data):
+        calls = tuple(ToolCall(c["id"], c["name"], c["arguments"]) for c in data.get("tool_calls") or ())
+        return cls(message=data["message"], text=data.get("text"), tool_calls=calls,
+                   input_tokens=data.get("input_tokens", 0), output_tokens=data.get("output_tokens", 0),
+                   model=data.get("model", ""), cost=Decimal(data.get("cost") or "0"),
+                   priced=data.get("priced", "table"))
+
+
+def _decimal(value, what):
+    try:
+        return Decimal(str(value))
+    except (InvalidOperation, ValueError) as exc:
+        raise PermanentError(f"{what} is not a number: {value!r}") from exc
+
+
+def price_cost(model, input_tokens, output_tokens, prices=None):
+    """``(cost, how)`` from the price table; ``how`` is "table" or "unpriced"."""
+    table = durable_settings.MODEL_PRICES if prices is None else prices
+    entry = table.get(model)
+    if entry is None:
+        # Providers answer with a dated name ("gpt-4o-mini-2024-07-18"): match the
+        # longest table entry the answered name starts with.
+        matches = [name for name in table if model.startswith(name)]
+        entry = table[max(matches, key=len)] if matches else None
+    if entry is None:
+        return Decimal("0"), "unpriced"
+    input_price = _decimal(entry.get("input", 0), f"MODEL_PRICES[{model!r}]['input']")
+    output_price = _decimal(entry.get("output", 0), f"MODEL_PRICES[{model!r}]['output']")
+    cost = (input_price * input_tokens + output_price * output_tokens) / MILLION
+    return cost.quantize(Decimal("0.00000001")), "table"
+
+
+class OpenAIChat:
+    """The OpenAI chat-completions API through the official ``openai`` client.
+
+    Works with every OpenAI-compatible server (vLLM, Ollama, LiteLLM's proxy, most
+    hosted providers) through ``base_url``. The client's own retries are off: durable
+    decides when to try again, with backoff and a memo that keeps what was paid for.
+    Timeouts are always explicit: ``timeout`` seconds to read, ``connect_timeout`` to
+    connect.
+    """
+
+    def __init__(self, model, *, client=None, base_url=None, api_key=None, timeout=60.0,
+                 connect_timeout=5.0, prices=None, **defaults):
+        try:
+            import openai
+        except ImportError as exc:  # optional extra: say how to get it
+            raise ImportError("OpenAIChat needs the openai package: pip install 'django-durable[openai]'") from exc
+        self._openai = openai
+        self.model = model
+        self.prices = prices
+        self.defaults = defaults
+        self.timeout = openai.Timeout(float(timeout), connect=float(connect_timeout))
+        if client is None:
+            client = openai.OpenAI(base_url=base_url, api_key=api_key or "unused", max_retries=0,
+                                   timeout=self.timeout)
+        else:
+            client = client.with_options(max_retries=0, timeout=self.timeout)
+        self.client = client
+
+    def fingerprint_input(self, messages, tools=None, **params):
+        """What identifies a call (model, messages, tool schemas, parameters), for the memo's fingerprint."""
+        return {"model": self.model, "messages": messages, "tools": tools or [], "params": {**self.defaults, **params}}
+
+    def complete(self, messages, tools=None, **params):
+        """Call the model once; return a :class:`ModelReply` or raise a classified error."""
+        openai = self._openai
+        request = {**self.defaults, **params, "model": self.model, "messages": messages}
+        if tools:
+            request["tools"] = tools
+        try:
+            response = self.client.chat.completions.create(**request)
+        except openai.APITimeoutError as exc:
+            raise RetryableError(f"model call timed out ({self.model})") from exc
+        except openai.APIConnectionError as exc:
+            raise RetryableError(f"model call lost its connection ({self.model}): {exc}") from exc
+        except openai.APIStatusError as exc:
+            raise classify_status(exc.status_code, exc.response.headers.get("Retry-After"),
+                                  _error_message(exc)) from exc
+        except openai.APIResponseValidationError as exc:
+            raise ModelReplyInvalid(f"unusable reply from {self.model}: {exc}", raw=str(exc.body)[:2000]) from exc
+        except ValueError as exc:  # the body was not JSON at all (cut off, or an HTML error page)
+            raise ModelReplyInvalid(f"unusable reply from {self.model}: {exc}", raw=getattr(exc, "doc", "")[:2000]) \
+                from exc
+        return self.parse(response)
+
+    def parse(self, response):
+        """A :class:`ModelReply` from a ``ChatCompletion``; ``ModelReplyInvalid`` when it is not one."""
+        try:
+            data = response.model_dump(mode="json", warnings=False)
+        except AttributeError as exc:
+            raise ModelReplyInvalid(f"unusable reply from {self.model}", raw=repr(response)[:2000]) from exc
+        return reply_from_completion(data, self.model, self.prices)
+
+
+def classify_status(status, retry_after_header, message):
+    """An HTTP error from the provider as durable's retry rule: 429/5xx retried, other 4xx poison."""
+    if status == 429 or status >= 500:
+        return RetryableError(f"HTTP {status}: {message}", retry_after=parse_retry_after(retry_after_header))
+    return PermanentError(f"HTTP {status}: {message}")
+
+
+def _error_message(exc):
+    body = exc.body if isinstance(exc.body, dict) else {}
+    error = body.get("error", body) if isinstance(body, dict) else {}
+    return str((error or {}).get("message") or exc.message)[:500]
+
+
+def reply_from_completion(data, requested_model, prices=None):
+    """A :class:`ModelReply` from a chat.completion dict (the wire format)."""
+    try:
+        choice = data["choices"][0]
+        message = choice["message"]
+        usage = data.get("usage") or {}
+        calls = tuple(ToolCall(str(c["id"]), str(c["function"]["name"]), c["function"].get("arguments") or "{}")
+                      for c in message.get("tool_calls") or ())
+        input_tokens = int(usage.get("prompt_tokens") or 0)
+        output_tokens = int(usage.get("completion_tokens") or 0)
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise ModelReplyInvalid(f"unusable reply from {requested_model}: {type(exc).__name__}: {exc}",
+                                raw=json.dumps(data, default=str)[:2000]) from exc
+    model = data.get("model") or requested_model
+    if usage.get("cost") is not None:
+        cost, priced = _decimal(usage["cost"], "usage.cost"), "provider"
+    else:
+        cost, priced = price_cost(model, input_tokens, output_tokens, prices)
+    kept = {"role": "assistant", "content": message.get("content")}
+    if calls:
+        kept["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                              for c in calls]
+    return ModelReply(message=kept, text=message.get("content"), tool_calls=calls, input_tokens=input_tokens,
+                      output_tokens=output_tokens, model=model, cost=cost, priced=priced)

@@ -1,0 +1,173 @@
+"""The OpenAI adapter, through the real ``openai`` client, against the fake server on 127.0.0.1."""
+
+import subprocess
+import sys
+from decimal import Decimal
+
+import pytest
+from django.test import override_settings
+
+from durable.exceptions import PermanentError, RetryableError
+from durable.llm import ModelReply, ModelReplyInvalid, OpenAIChat, price_cost
+from durable.testing import FakeModelServer, reply, tool_call
+
+openai = pytest.importorskip("openai")
+
+PRICES = {"fake-model": {"input": "0.15", "output": "0.60"}}
+MESSAGES = [{"role": "user", "content": "Where is order A-1?"}]
+
+
+@pytest.fixture
+def server():
+    with FakeModelServer([
+        reply(tool_calls=[tool_call("lookup_order", {"order_id": "A-1"}, id="call_abc")], usage=(1200, 40)),
+        reply("It shipped yesterday.", usage=(1500, 12)),
+    ]) as server:
+        yield server
+
+
+def chat(server, **options):
+    return OpenAIChat("fake-model", base_url=server.url, api_key="test-key", prices=PRICES, **options)
+
+
+def test_a_reply_with_tool_calls_carries_their_ids_arguments_tokens_and_the_cost_from_the_price_table(server):
+    result = chat(server).complete(MESSAGES)
+
+    assert [(c.id, c.name, c.parsed_arguments()) for c in result.tool_calls] == [
+        ("call_abc", "lookup_order", {"order_id": "A-1"})]
+    assert (result.input_tokens, result.output_tokens, result.model) == (1200, 40, "fake-model")
+    # 1200 * 0.15 / 1e6 + 40 * 0.60 / 1e6
+    assert result.cost == Decimal("0.00020400")
+    assert result.priced == "table"
+    assert result.message["tool_calls"][0]["id"] == "call_abc"
+
+
+def test_the_next_turn_of_the_same_conversation_gets_the_next_scripted_reply(server):
+    first = chat(server).complete(MESSAGES)
+    second = chat(server).complete([*MESSAGES, first.message,
+                                    {"role": "tool", "tool_call_id": "call_abc", "content": "{}"}])
+
+    assert second.text == "It shipped yesterday."
+    assert second.tool_calls == ()
+    assert [call.turn for call in server.calls] == [0, 1]
+
+
+def test_a_resumed_run_asking_the_same_question_again_gets_the_same_answer(server):
+    assert chat(server).complete(MESSAGES) == chat(server).complete(MESSAGES)
+
+
+def test_the_providers_own_cost_wins_over_the_price_table():
+    with FakeModelServer([reply("ok", usage=(10, 10), cost="0.0123")]) as server:
+        result = chat(server).complete(MESSAGES)
+    assert (result.cost, result.priced) == (Decimal("0.0123"), "provider")
+
+
+def test_a_model_missing_from_the_price_table_is_marked_unpriced_not_guessed():
+    with FakeModelServer([reply("ok", model="other-model")]) as server:
+        result = chat(server).complete(MESSAGES)
+    assert (result.cost, result.priced, result.model) == (Decimal("0"), "unpriced", "other-model")
+
+
+def test_a_dated_model_name_is_priced_by_its_family_entry():
+    cost, how = price_cost("fake-model-2026-01-01", 1_000_000, 0, PRICES)
+    assert (cost, how) == (Decimal("0.15"), "table")
+
+
+@override_settings(DURABLE={"MODEL_PRICES": {"fake-model": {"input": "1", "output": "2"}}})
+def test_prices_come_from_settings_when_the_adapter_is_given_none(server):
+    result = OpenAIChat("fake-model", base_url=server.url, api_key="k").complete(MESSAGES)
+    assert result.cost == Decimal("0.00128000")  # 1200 * 1 + 40 * 2 per million
+
+
+def test_a_rate_limit_is_retryable_after_its_retry_after_and_the_client_does_not_retry_by_itself(server):
+    server.fault("rate_limited", retry_after=7)
+    with pytest.raises(RetryableError) as caught:
+        chat(server).complete(MESSAGES)
+    assert caught.value.retry_after == 7
+    assert "HTTP 429" in str(caught.value)
+    assert len(server.calls) == 1
+
+
+def test_a_server_error_is_retryable(server):
+    server.fault("server_error")
+    with pytest.raises(RetryableError, match="HTTP 500"):
+        chat(server).complete(MESSAGES)
+    assert len(server.calls) == 1
+
+
+def test_a_refused_request_is_poison(server):
+    server.fault("bad_request")
+    with pytest.raises(PermanentError, match="HTTP 400"):
+        chat(server).complete(MESSAGES)
+    assert not isinstance(PermanentError(), RetryableError)
+
+
+@pytest.mark.parametrize("fault", ["garbage", "truncated"])
+def test_a_reply_that_is_not_a_completion_is_retryable_and_keeps_what_was_received(server, fault):
+    server.fault(fault)
+    with pytest.raises(ModelReplyInvalid) as caught:
+        chat(server).complete(MESSAGES)
+    assert isinstance(caught.value, RetryableError)
+    assert '"chat.completion"' in caught.value.raw
+
+
+def test_a_slow_reply_times_out_at_the_explicit_timeout_and_is_retryable(server):
+    server.fault("slow", delay=3)
+    with pytest.raises(RetryableError, match="timed out"):
+        chat(server, timeout=0.5).complete(MESSAGES)
+    assert len(server.calls) == 1
+    # The model did answer (late): a provider would charge for it.
+    assert len(server.paid_calls()) == 1
+
+
+def test_a_dropped_reply_is_retryable_and_counted_as_paid(server):
+    server.fault("drop")
+    with pytest.raises(RetryableError, match="connection"):
+        chat(server).complete(MESSAGES)
+    assert [call.outcome for call in server.paid_calls()] == ["drop"]
+
+
+def test_a_held_reply_lets_a_test_act_while_the_call_is_in_flight(server):
+    import threading
+
+    server.hold()
+    results = []
+    thread = threading.Thread(target=lambda: results.append(chat(server).complete(MESSAGES)))
+    thread.start()
+    server.wait_for_calls(1, timeout=10)
+    assert results == []
+    server.release()
+    thread.join(10)
+    assert results[0].tool_calls[0].name == "lookup_order"
+
+
+def test_the_memo_form_round_trips(server):
+    result = chat(server).complete(MESSAGES)
+    assert ModelReply.from_memo(result.as_memo()) == result
+
+
+def test_the_fake_server_refuses_a_body_without_messages_with_a_clear_error(server):
+    import json
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(f"{server.url}/chat/completions", data=b'{"model": "x"}',
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=5)
+    assert caught.value.code == 400
+    assert "messages" in json.loads(caught.value.read())["error"]["message"]
+
+
+def test_an_unknown_fault_is_refused(server):
+    with pytest.raises(ValueError, match="unknown fault"):
+        server.fault("explode")
+
+
+def test_durable_imports_without_the_openai_package():
+    code = ("import sys; sys.modules['openai'] = None\n"
+            "import django; from django.conf import settings; settings.configure(); django.setup()\n"
+            "import durable.llm, durable.testing\n"
+            "try:\n    durable.llm.OpenAIChat('m')\nexcept ImportError as exc:\n    print(exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "pip install 'django-durable[openai]'" in out
