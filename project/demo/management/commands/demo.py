@@ -267,6 +267,7 @@ class Command(BaseCommand):
     def _where_to_look(self, port, password, keys):
         base = f"http://127.0.0.1:{port}"
         self.heading(f"Where to look (log in as operator / {password})")
+        self.say(f"   {'home':15} {base}/")
         for label, name, fallback in (
             ("dashboard", "admin:durable_dashboard", "/admin/durable/dashboard/"),
             ("approval queue", "admin:durable_approvals", "/admin/durable/approvals/"),
