@@ -7,17 +7,26 @@ Tests that use them are marked ``browser`` (added automatically if forgotten), s
 The browser is the system's Chromium (Debian package ``chromium``), never one
 downloaded by Playwright: the tests must run offline and on the browser the
 machine actually has. If it is missing, it is installed with apt-get when
-possible; otherwise browser tests are skipped, except on CI (``CI=true``) where a
-missing browser is a failure, not a reason to go green.
+possible, once: pytest-xdist's processes take turns under a file lock, so the
+first installs and the others find it installed (apt-get also waits for a dpkg
+lock held by anything else). Otherwise browser tests are skipped, except on CI
+(``CI=true``) where a missing browser is a failure, not a reason to go green.
 """
 
 import os
 import shutil
 import subprocess
+import tempfile
 
 import pytest
 
 CHROMIUM = "/usr/bin/chromium"
+
+# Held while one test process checks for and installs Chromium.
+INSTALL_LOCK = os.path.join(tempfile.gettempdir(), "durable-chromium-install.lock")
+
+# apt-get waits this long for the dpkg lock instead of failing at once.
+DPKG_LOCK_WAIT = 600
 
 CHROMIUM_ARGS = [
     # Containers and CI runners usually lack the namespaces the sandbox needs.
@@ -76,7 +85,8 @@ def _give_up(reason):
 def _apt_get(*args):
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     return subprocess.run(
-        ["apt-get", *args], env=env, capture_output=True, text=True, timeout=900, check=False
+        ["apt-get", "-o", f"DPkg::Lock::Timeout={DPKG_LOCK_WAIT}", *args], env=env,
+        capture_output=True, text=True, timeout=DPKG_LOCK_WAIT + 900, check=False
     )
 
 
@@ -86,6 +96,19 @@ def _install_chromium():
         return "apt-get is not available"
     if os.geteuid() != 0:
         return "installing it needs root"
+    import fcntl  # apt-get means a Unix
+
+    with open(INSTALL_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if os.access(CHROMIUM, os.X_OK):
+                return None  # another test process installed it while this one waited
+            return _apt_install_chromium()
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _apt_install_chromium():
     result = _apt_get("install", "-y", "chromium")
     if result.returncode != 0:
         # A fresh container has no package lists yet; refresh them once and retry.
