@@ -1,11 +1,12 @@
-"""A fake OpenAI-compatible chat-completions server, for tests and the demo.
+"""A fake model server (OpenAI chat completions and Anthropic messages), for tests and the demo.
 
 A model adapter can only be trusted once it has met a server that speaks the real
 wire format, charges tokens, rate-limits, fails, answers late and drops replies.
 :class:`FakeModelServer` is that server: a threaded HTTP server on 127.0.0.1 that
-answers ``POST /v1/chat/completions`` from a script, in the format the official
-``openai`` client parses, and records every request it was sent. The request log is
-the ground truth of what was paid for, whatever the client believes happened.
+answers ``POST /v1/chat/completions`` (and ``POST /v1/messages``) from a script, in
+the formats the official ``openai`` (and ``anthropic``) clients parse, and records
+every request it was sent. The request log is the ground truth of what was paid
+for, whatever the client believes happened.
 
 A script is either a list of replies, chosen by the turn of the conversation (the
 number of assistant messages already in it), so a resumed agent that asks the same
@@ -117,7 +118,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _error(self, status, message, kind="invalid_request_error", headers=()):
-        self._send(status, {"error": {"message": message, "type": kind, "code": None}}, headers)
+        # Both providers' error shapes at once: OpenAI reads "error", Anthropic also "type".
+        self._send(status, {"type": "error", "error": {"message": message, "type": kind, "code": None}}, headers)
 
     def do_GET(self):
         if self.path.rstrip("/").endswith("/models"):
@@ -130,7 +132,12 @@ class _Handler(BaseHTTPRequestHandler):
         owner = self.server.owner
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length) if length else b""
-        if not self.path.rstrip("/").endswith("/chat/completions"):
+        path = self.path.split("?", 1)[0].rstrip("/")
+        if path.endswith("/chat/completions"):
+            wire = completion
+        elif path.endswith("/v1/messages"):
+            wire = anthropic_message
+        else:
             self._error(404, f"no such path: {self.path}")
             return
         try:
@@ -165,7 +172,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         owner._wait_for_release()
         try:
-            completion = owner._complete(body, turn)
+            answer = wire(owner._scripted(body, turn), body, turn, default_model=owner.model)
         except Exception as exc:  # a broken script is the test's bug: say so in the reply
             self._error(500, f"script failed: {type(exc).__name__}: {exc}", "server_error")
             return
@@ -176,7 +183,7 @@ class _Handler(BaseHTTPRequestHandler):
         if fault and fault.mode == "slow":
             time.sleep(fault.delay)
         try:
-            self._send(200, completion)
+            self._send(200, answer)
         except (BrokenPipeError, ConnectionResetError):  # the caller gave up (timeout, kill)
             pass
 
@@ -204,9 +211,14 @@ class FakeModelServer:
 
     @property
     def url(self):
-        """The base URL a client is given (``openai.OpenAI(base_url=server.url)``)."""
+        """The base URL an OpenAI client is given (``openai.OpenAI(base_url=server.url)``)."""
+        return f"{self.root_url}/v1"
+
+    @property
+    def root_url(self):
+        """The base URL an Anthropic client is given (it adds ``/v1/messages`` itself)."""
         host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}/v1"
+        return f"http://{host}:{port}"
 
     def start(self):
         self._thread = threading.Thread(target=self._server.serve_forever, name="fake-model", daemon=True)
@@ -274,14 +286,12 @@ class FakeModelServer:
     def _wait_for_release(self):
         self._released.wait()
 
-    def _complete(self, body, turn):
+    def _scripted(self, body, turn):
         if callable(self.script):
-            scripted = self.script(body)
-        elif turn < len(self.script):
-            scripted = self.script[turn]
-        else:
-            scripted = reply(f"(no scripted reply for turn {turn + 1})")
-        return completion(scripted, body, turn, default_model=self.model)
+            return self.script(body)
+        if turn < len(self.script):
+            return self.script[turn]
+        return reply(f"(no scripted reply for turn {turn + 1})")
 
 
 def completion(scripted, body, turn, default_model=DEFAULT_MODEL):
@@ -310,4 +320,26 @@ def completion(scripted, body, turn, default_model=DEFAULT_MODEL):
         "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls" if calls else "stop",
                      "logprobs": None}],
         "usage": usage,
+    }
+
+
+def anthropic_message(scripted, body, turn, default_model=DEFAULT_MODEL):
+    """The Messages API reply for a scripted reply (the wire format the anthropic client parses)."""
+    content = []
+    if scripted.get("text"):
+        content.append({"type": "text", "text": scripted["text"]})
+    for index, call in enumerate(scripted.get("tool_calls") or ()):
+        function = call["function"]
+        content.append({"type": "tool_use", "id": call.get("id") or f"toolu_{turn + 1}_{index + 1}",
+                        "name": function["name"], "input": json.loads(function["arguments"] or "{}")})
+    input_tokens, output_tokens = scripted.get("usage") or (0, 0)
+    return {
+        "id": f"msg_fake_{turn + 1}",
+        "type": "message",
+        "role": "assistant",
+        "model": scripted.get("model") or body.get("model") or default_model,
+        "content": content,
+        "stop_reason": "tool_use" if scripted.get("tool_calls") else "end_turn",
+        "stop_sequence": None,
+        "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens},
     }

@@ -145,6 +145,16 @@ class OpenAIChat:
             client = client.with_options(max_retries=0, timeout=self.timeout)
         self.client = client
 
+    def close(self):
+        """Close the client's connection pool (an adapter is meant to live as long as its process)."""
+        self.client.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
     def fingerprint_input(self, messages, tools=None, **params):
         """What identifies a call (model, messages, tool schemas, parameters), for the memo's fingerprint."""
         return {"model": self.model, "messages": messages, "tools": tools or [], "params": {**self.defaults, **params}}
@@ -216,4 +226,126 @@ def reply_from_completion(data, requested_model, prices=None):
         kept["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                               for c in calls]
     return ModelReply(message=kept, text=message.get("content"), tool_calls=calls, input_tokens=input_tokens,
+                      output_tokens=output_tokens, model=model, cost=cost, priced=priced)
+
+
+class AnthropicMessages:
+    """The Anthropic Messages API through the official ``anthropic`` client.
+
+    Takes and returns the same conversation as :class:`OpenAIChat` (OpenAI-style
+    messages and tool schemas), so an agent can change provider without changing
+    its code or its memos: system messages become ``system``, tool calls become
+    ``tool_use`` blocks and tool results ``tool_result`` blocks. Retries off,
+    timeouts explicit, errors classified as for OpenAI (429 and 5xx, 529 overloaded
+    included, retried; other 4xx poison).
+    """
+
+    def __init__(self, model, *, client=None, base_url=None, api_key=None, timeout=60.0,
+                 connect_timeout=5.0, prices=None, max_tokens=1024, **defaults):
+        try:
+            import anthropic
+        except ImportError as exc:
+            raise ImportError("AnthropicMessages needs the anthropic package: "
+                              "pip install 'django-durable[anthropic]'") from exc
+        self._anthropic = anthropic
+        self.model = model
+        self.prices = prices
+        self.defaults = {"max_tokens": max_tokens, **defaults}
+        self.timeout = anthropic.Timeout(float(timeout), connect=float(connect_timeout))
+        if client is None:
+            client = anthropic.Anthropic(base_url=base_url, api_key=api_key or "unused", max_retries=0,
+                                         timeout=self.timeout)
+        else:
+            client = client.with_options(max_retries=0, timeout=self.timeout)
+        self.client = client
+
+    def close(self):
+        """Close the client's connection pool (an adapter is meant to live as long as its process)."""
+        self.client.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
+    def fingerprint_input(self, messages, tools=None, **params):
+        return {"model": self.model, "messages": messages, "tools": tools or [], "params": {**self.defaults, **params}}
+
+    def complete(self, messages, tools=None, **params):
+        """Call the model once; return a :class:`ModelReply` or raise a classified error."""
+        anthropic = self._anthropic
+        system, converted = to_anthropic_messages(messages)
+        request = {**self.defaults, **params, "model": self.model, "messages": converted}
+        if system:
+            request["system"] = system
+        if tools:
+            request["tools"] = [{"name": t["function"]["name"], "description": t["function"].get("description", ""),
+                                 "input_schema": t["function"]["parameters"]} for t in tools]
+        try:
+            response = self.client.messages.create(**request)
+        except anthropic.APITimeoutError as exc:
+            raise RetryableError(f"model call timed out ({self.model})") from exc
+        except anthropic.APIConnectionError as exc:
+            raise RetryableError(f"model call lost its connection ({self.model}): {exc}") from exc
+        except anthropic.APIStatusError as exc:
+            raise classify_status(exc.status_code, exc.response.headers.get("Retry-After"),
+                                  _error_message(exc)) from exc
+        except anthropic.APIResponseValidationError as exc:
+            raise ModelReplyInvalid(f"unusable reply from {self.model}: {exc}", raw=str(exc.body)[:2000]) from exc
+        except ValueError as exc:
+            raise ModelReplyInvalid(f"unusable reply from {self.model}: {exc}", raw=getattr(exc, "doc", "")[:2000]) \
+                from exc
+        return reply_from_anthropic(response.model_dump(mode="json", warnings=False), self.model, self.prices)
+
+
+def to_anthropic_messages(messages):
+    """``(system, messages)`` in the Messages API's shape, from OpenAI-style messages."""
+    system, converted = [], []
+    for message in messages:
+        role = message.get("role")
+        if role in ("system", "developer"):
+            system.append(message.get("content") or "")
+        elif role == "tool":
+            block = {"type": "tool_result", "tool_use_id": message["tool_call_id"],
+                     "content": message.get("content") or ""}
+            if converted and converted[-1]["role"] == "user" and isinstance(converted[-1]["content"], list) \
+                    and all(b.get("type") == "tool_result" for b in converted[-1]["content"]):
+                converted[-1]["content"].append(block)  # one user turn carries every result of a turn
+            else:
+                converted.append({"role": "user", "content": [block]})
+        elif role == "assistant":
+            blocks = [{"type": "text", "text": message["content"]}] if message.get("content") else []
+            for call in message.get("tool_calls") or ():
+                blocks.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
+                               "input": json.loads(call["function"].get("arguments") or "{}")})
+            converted.append({"role": "assistant", "content": blocks})
+        else:
+            converted.append({"role": "user", "content": message.get("content") or ""})
+    return "\n\n".join(part for part in system if part), converted
+
+
+def reply_from_anthropic(data, requested_model, prices=None):
+    """A :class:`ModelReply` (with an OpenAI-style message) from a Messages API reply dict."""
+    try:
+        texts, calls = [], []
+        for block in data["content"]:
+            if block["type"] == "text":
+                texts.append(block["text"])
+            elif block["type"] == "tool_use":
+                calls.append(ToolCall(str(block["id"]), str(block["name"]), json.dumps(block.get("input") or {})))
+        usage = data.get("usage") or {}
+        input_tokens = int(usage.get("input_tokens") or 0)
+        output_tokens = int(usage.get("output_tokens") or 0)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelReplyInvalid(f"unusable reply from {requested_model}: {type(exc).__name__}: {exc}",
+                                raw=json.dumps(data, default=str)[:2000]) from exc
+    model = data.get("model") or requested_model
+    cost, priced = price_cost(model, input_tokens, output_tokens, prices)
+    text = "\n".join(texts) if texts else None
+    message = {"role": "assistant", "content": text}
+    if calls:
+        message["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+    return ModelReply(message=message, text=text, tool_calls=tuple(calls), input_tokens=input_tokens,
                       output_tokens=output_tokens, model=model, cost=cost, priced=priced)

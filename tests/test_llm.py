@@ -26,8 +26,20 @@ def server():
         yield server
 
 
+_open = []
+
+
+@pytest.fixture(autouse=True)
+def _close_adapters():
+    yield
+    while _open:
+        _open.pop().close()
+
+
 def chat(server, **options):
-    return OpenAIChat("fake-model", base_url=server.url, api_key="test-key", prices=PRICES, **options)
+    adapter = OpenAIChat("fake-model", base_url=server.url, api_key="test-key", prices=PRICES, **options)
+    _open.append(adapter)
+    return adapter
 
 
 def test_a_reply_with_tool_calls_carries_their_ids_arguments_tokens_and_the_cost_from_the_price_table(server):
@@ -75,7 +87,8 @@ def test_a_dated_model_name_is_priced_by_its_family_entry():
 
 @override_settings(DURABLE={"MODEL_PRICES": {"fake-model": {"input": "1", "output": "2"}}})
 def test_prices_come_from_settings_when_the_adapter_is_given_none(server):
-    result = OpenAIChat("fake-model", base_url=server.url, api_key="k").complete(MESSAGES)
+    with OpenAIChat("fake-model", base_url=server.url, api_key="k") as adapter:
+        result = adapter.complete(MESSAGES)
     assert result.cost == Decimal("0.00128000")  # 1200 * 1 + 40 * 2 per million
 
 
@@ -171,3 +184,58 @@ def test_durable_imports_without_the_openai_package():
             "try:\n    durable.llm.OpenAIChat('m')\nexcept ImportError as exc:\n    print(exc)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "pip install 'django-durable[openai]'" in out
+
+
+# The Anthropic adapter: the same conversation, the same reply type, the Messages wire format.
+
+def claude(server, **options):
+    from durable.llm import AnthropicMessages
+
+    pytest.importorskip("anthropic")
+    adapter = AnthropicMessages("fake-model", base_url=server.root_url, api_key="test-key", prices=PRICES, **options)
+    _open.append(adapter)
+    return adapter
+
+
+def test_the_anthropic_adapter_returns_the_same_reply_shape_with_tool_calls_tokens_and_cost(server):
+    result = claude(server).complete([{"role": "system", "content": "Be brief."}, *MESSAGES],
+                                     tools=[{"type": "function", "function": {
+                                         "name": "lookup_order", "description": "Look up.",
+                                         "parameters": {"type": "object", "properties": {}}}}])
+
+    assert [(c.id, c.name, c.parsed_arguments()) for c in result.tool_calls] == [
+        ("call_abc", "lookup_order", {"order_id": "A-1"})]
+    assert (result.input_tokens, result.output_tokens, result.cost) == (1200, 40, Decimal("0.00020400"))
+    sent = server.calls[0].body
+    assert sent["system"] == "Be brief."
+    assert sent["tools"][0]["input_schema"] == {"type": "object", "properties": {}}
+    assert sent["max_tokens"] == 1024
+
+
+def test_the_anthropic_adapter_sends_tool_results_as_one_user_turn_of_tool_result_blocks(server):
+    first = claude(server).complete(MESSAGES)
+    second = claude(server).complete([*MESSAGES, first.message,
+                                      {"role": "tool", "tool_call_id": "call_abc", "content": '{"ok": 1}'}])
+
+    assert second.text == "It shipped yesterday."
+    messages = server.calls[1].body["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant", "user"]
+    assert messages[1]["content"][0] == {"type": "tool_use", "id": "call_abc", "name": "lookup_order",
+                                         "input": {"order_id": "A-1"}}
+    assert messages[2]["content"] == [{"type": "tool_result", "tool_use_id": "call_abc", "content": '{"ok": 1}'}]
+
+
+@pytest.mark.parametrize(("fault", "error", "text"), [
+    ("rate_limited", RetryableError, "HTTP 429"),
+    ("server_error", RetryableError, "HTTP 500"),
+    ("bad_request", PermanentError, "HTTP 400"),
+    ("drop", RetryableError, "connection"),
+])
+def test_the_anthropic_adapter_classifies_errors_like_the_openai_one_and_never_retries_itself(server, fault, error,
+                                                                                             text):
+    server.fault(fault, retry_after=3)
+    with pytest.raises(error, match=text) as caught:
+        claude(server).complete(MESSAGES)
+    assert len(server.calls) == 1
+    if fault == "rate_limited":
+        assert caught.value.retry_after == 3
