@@ -33,17 +33,25 @@ def _log_path(args, name):
     return Path(args["log_dir"]) / f"{name}-{os.getpid()}-{time.monotonic_ns()}.log"
 
 
-def start_workers(args, processes, *, burst, name="workers", dispatcher=False):
+def start_workers(args, processes, *, burst, name="workers", dispatcher=False, threads=None,
+                  dispatcher_only=False):
     """Start ``manage.py runworkers`` with this phase's settings; output goes to a log file.
 
     No outbox dispatcher unless asked: the no-op and probe workflows send no actions,
-    and the figures are the job workers'.
+    and the figures are the job workers'. ``threads`` (T > 1) asks for T steps in flight
+    per process; None leaves the command's default.
     """
     env = dict(os.environ)
-    command = [sys.executable, str(ROOT / "manage.py"), "runworkers", "--processes", str(processes)]
+    command = [sys.executable, str(ROOT / "manage.py"), "runworkers"]
+    if dispatcher_only:
+        command.append("--dispatcher-only")
+    else:
+        command += ["--processes", str(processes)]
+    if threads is not None:
+        command += ["--threads", str(threads)]
     if burst:
         command.append("--burst")
-    if not dispatcher:
+    if not dispatcher and not dispatcher_only:
         command.append("--no-dispatcher")
     log = open(_log_path(args, name), "wb")  # noqa: SIM115 - closed by the caller via proc.log
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -76,11 +84,11 @@ def wait_rusage(proc, timeout=None):
     return proc.returncode, usage
 
 
-def burst(args, processes, dispatcher=False):
+def burst(args, processes, dispatcher=False, threads=None):
     """Drain the queue with ``runworkers --burst``; wall time, CPU and peak RSS of the tree."""
     began = time.perf_counter()
     proc = start_workers(args, processes, burst=True, name=f"burst-p{processes}",
-                         dispatcher=dispatcher)
+                         dispatcher=dispatcher, threads=threads)
     code, usage = wait_rusage(proc, args.get("burst_timeout", 900))
     wall = time.perf_counter() - began
     if code != 0:
@@ -100,13 +108,16 @@ def submit_noop(count, prefix="j"):
             durable.submit("bench_noop", f"{prefix}-{i:07d}", {"i": i})
 
 
-def window(prefix):
+def window(prefix=None, workflow=None):
     """First claim to last commit, from the timestamps the workers wrote (seconds)."""
     from django.db.models import Max, Min
 
     from durable.models import EventKind, JobEvent
 
-    events = JobEvent.objects.filter(job__id__startswith=f"{prefix}-")
+    if workflow is not None:
+        events = JobEvent.objects.filter(job__workflow=workflow)
+    else:
+        events = JobEvent.objects.filter(job__id__startswith=f"{prefix}-")
     first = events.filter(kind=EventKind.CLAIMED).aggregate(t=Min("at"))["t"]
     last = events.aggregate(t=Max("at"))["t"]
     return (last - first).total_seconds()
@@ -116,11 +127,11 @@ def phase_drain(args):
     """N three-step no-op jobs drained by ``runworkers --burst -p P``."""
     from durable.models import Job
 
-    jobs, processes = args["jobs"], args["processes"]
+    jobs, processes, threads = args["jobs"], args["processes"], args.get("threads")
     # Start-up of the same command with nothing to do: subtracted from CPU and wall.
-    empty = burst(args, processes)
+    empty = burst(args, processes, threads=threads)
     submit_noop(jobs)
-    run = burst(args, processes)
+    run = burst(args, processes, threads=threads)
     left = Job.objects.exclude(state=NOOP_DONE).count()
     if left:
         raise RuntimeError(f"{left} of {jobs} jobs did not finish; see {run['log']}")
@@ -130,6 +141,7 @@ def phase_drain(args):
     return {
         "jobs": jobs,
         "processes": processes,
+        "threads": threads or 1,
         "steps": steps,
         "db_window_s": seconds,
         "steps_per_s": steps / seconds,
@@ -342,6 +354,164 @@ def phase_actions(args):
             "actions_per_s": done / seconds if seconds else None}
 
 
+# Steps that wait (a model call's shape) ---------------------------------------------------
+
+def phase_io(args):
+    """N one-step jobs whose step sleeps (a stand-in for a model call), P processes × T threads."""
+    from django.db import transaction
+
+    import durable
+    from durable.models import Job
+
+    jobs, processes, seconds = args["jobs"], args["processes"], args["sleep"]
+    threads = args.get("threads") or 1
+    empty = burst(args, processes, threads=args.get("threads"))
+    with transaction.atomic():
+        for i in range(jobs):
+            durable.submit("bench_sleep", f"s-{i:07d}", {"seconds": seconds})
+    run = burst(args, processes, threads=args.get("threads"))
+    left = Job.objects.exclude(state="call_done").count()
+    if left:
+        raise RuntimeError(f"{left} of {jobs} jobs did not finish; see {run['log']}")
+    window_s = window("s")
+    bound = processes * threads / seconds
+    return {
+        "jobs": jobs, "processes": processes, "threads": threads, "sleep_s": seconds,
+        "db_window_s": window_s, "jobs_per_s": jobs / window_s, "bound_jobs_per_s": bound,
+        "ratio_to_bound": jobs / window_s / bound, "wall_s": run["wall"],
+        "cpu_us_per_step": (run["cpu"] - empty["cpu"]) / jobs * 1e6,
+        "peak_rss_mb": run["maxrss_kb"] / 1024,
+    }
+
+
+# @task calls beside django-tasks-db ----------------------------------------------------------
+
+def phase_tasks(args):
+    """N no-op ``@task`` calls through DurableBackend, drained by ``runworkers --burst``."""
+    from django.db import connection, transaction
+
+    from bench.peers import xact_commit
+    from bench.tasks import noop
+    from durable.models import Job
+
+    jobs, processes, threads = args["jobs"], args["processes"], args.get("threads")
+    connection.close()
+    c0 = xact_commit()
+    empty = burst(args, processes, threads=threads)
+    c1 = xact_commit()
+    with transaction.atomic():
+        for _ in range(jobs):
+            noop.enqueue()
+    connection.close()
+    c2 = xact_commit()
+    run = burst(args, processes, threads=threads)
+    c3 = xact_commit()
+    left = Job.objects.filter(workflow="django_task").exclude(state="succeeded").count()
+    if left:
+        raise RuntimeError(f"{left} of {jobs} task jobs did not succeed; see {run['log']}")
+    seconds = window(workflow="django_task")
+    result = {"jobs": jobs, "processes": processes, "threads": threads or 1, "db_window_s": seconds,
+              "jobs_per_s": jobs / seconds, "wall_s": run["wall"],
+              "cpu_us_per_job": (run["cpu"] - empty["cpu"]) / jobs * 1e6,
+              "peak_rss_mb": run["maxrss_kb"] / 1024}
+    if c0 is not None:
+        # Commits the database counted during the drain, less those of the same command
+        # on an empty queue (start-up, the last idle claim), per job.
+        result["commits_per_job"] = ((c3 - c2) - (c1 - c0)) / jobs
+    return result
+
+
+# The dispatcher: a slow receiver, and a destination that never answers ---------------------
+
+class Blackhole:
+    """A TCP server on 127.0.0.1 that accepts connections and never answers."""
+
+    def __init__(self):
+        import socket
+        import threading
+
+        self.sock = socket.create_server(("127.0.0.1", 0), backlog=512)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.held = []
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.held.append(conn)  # read nothing, answer nothing; the client times out
+
+    def close(self):
+        self.sock.close()
+        for conn in self.held:
+            conn.close()
+
+
+def dispatch_slots(destination):
+    """Actions to ``destination`` one dispatcher process may have in flight at once."""
+    from durable.dispatch import Dispatcher
+
+    dispatcher = Dispatcher(name="bench-probe")
+    limit = getattr(dispatcher, "slots_for", None)
+    return limit(destination) if limit else dispatcher.threads
+
+
+def phase_dispatch(args):
+    """Queued actions sent by one dispatcher; half go to a stalled destination if asked.
+
+    The workers write the outbox rows first (``--no-dispatcher``); then a dispatcher
+    alone sends them, so the figure is the dispatcher's. The healthy receiver answers
+    after ``latency`` seconds.
+    """
+    from django.db import transaction
+    from django.db.models import Max, Min
+
+    import durable
+    from durable.models import Outbox
+
+    jobs, stalled = args["jobs"], args["stalled"]
+    with transaction.atomic():
+        for i in range(jobs):
+            to = "stalled" if stalled and i % 2 else "bench"
+            durable.submit("bench_action", f"a-{i:07d}", {"n": i, "to": to})
+    burst(args, 1, threads=args.get("threads"))  # every job now waits in in_flight_send
+    healthy = jobs - (jobs // 2 if stalled else 0)
+    queued = Outbox.objects.count()
+    if queued != jobs:
+        raise RuntimeError(f"{queued} of {jobs} actions were queued")
+    proc = start_workers(args, 0, burst=False, name="dispatcher", dispatcher_only=True)
+    deadline = time.monotonic() + args.get("timeout", 300)
+    try:
+        while time.monotonic() < deadline:
+            done = Outbox.objects.filter(destination="bench", status="succeeded").count()
+            if done >= healthy:
+                break
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        proc.log.close()
+    rows = Outbox.objects.filter(destination="bench", status="succeeded")
+    done = rows.count()
+    if done < healthy:
+        raise RuntimeError(f"only {done} of {healthy} healthy actions succeeded; see {proc.log.name}")
+    first = Outbox.objects.aggregate(t=Min("sent_at"))["t"]
+    last = rows.aggregate(t=Max("updated"))["t"]
+    seconds = (last - first).total_seconds()
+    return {"jobs": jobs, "stalled": stalled, "healthy": healthy, "db_window_s": seconds,
+            "slots": dispatch_slots("bench"),
+            "healthy_actions_per_s": healthy / seconds,
+            "stalled_settled": Outbox.objects.filter(destination="stalled").exclude(
+                status__in=("pending", "attempted")).count()}
+
+
 # Memory over a long run ---------------------------------------------------------------
 
 def _children(pid):
@@ -403,7 +573,7 @@ def phase_window(args):
 
 PHASES = {"submit": phase_submit, "window": phase_window, "drain": phase_drain,
           "latency": phase_latency, "claim": phase_claim, "actions": phase_actions,
-          "rss": phase_rss}
+          "rss": phase_rss, "io": phase_io, "tasks": phase_tasks, "dispatch": phase_dispatch}
 
 
 def main():

@@ -33,7 +33,11 @@ def summarise(result):
             rec.setdefault("shape", "minimal")
     ceilings = {(r["database"], r["processes"], r["repeat"]): r["tx_per_s"]
                 for r in records if r["figure"] == "ceiling" and r["shape"] == "minimal"}
-    summary = {"ceiling": {}, "drain": {}, "latency": {}, "claim": {}, "actions": {}, "rss": {}}
+    summary = {"ceiling": {}, "drain": {}, "latency": {}, "claim": {}, "actions": {}, "rss": {},
+               "io": {}, "tasks": {}, "dispatch": {}}
+    for rec in records:
+        if rec["figure"] == "drain":
+            rec["threads"] = rec.get("threads") or 1
     for (db, p), recs in sorted(_by(records, "ceiling", "database", "processes").items()):
         minimal = [r for r in recs if r["shape"] == "minimal"]
         schema = [r for r in recs if r["shape"] == "durable"]
@@ -43,11 +47,11 @@ def summarise(result):
             "schema_tx_per_s": stats([r["tx_per_s"] for r in schema]),
             "schema_cpu_us_per_tx": stats([r["cpu_us_per_tx"] for r in schema]),
         }
-    for (db, p), recs in sorted(_by(records, "drain", "database", "processes").items()):
+    for (db, p, t), recs in sorted(_by(records, "drain", "database", "processes", "threads").items()):
         # The ratio pairs each drain with the ceiling measured just before it.
         ratios = [r["steps_per_s"] / ceilings[(db, p, r["repeat"])]
                   for r in recs if (db, p, r["repeat"]) in ceilings]
-        summary["drain"][f"{db} p={p}"] = {
+        summary["drain"][f"{db} p={p}" + (f" t={t}" if t != 1 else "")] = {
             "steps_per_s": stats([r["steps_per_s"] for r in recs]),
             "jobs_per_s": stats([r["jobs_per_s"] for r in recs]),
             "ratio_to_ceiling": stats(ratios),
@@ -70,6 +74,31 @@ def summarise(result):
                                "ratio": sizes[hi]["median"] / sizes[lo]["median"]}
     for (db,), recs in _by(records, "actions", "database").items():
         summary["actions"][db] = {"actions_per_s": stats([r["actions_per_s"] for r in recs])}
+    for (db, p, t), recs in sorted(_by(records, "io", "database", "processes", "threads").items()):
+        summary["io"][f"{db} p={p} t={t}"] = {
+            "jobs": recs[0]["jobs"], "bound": recs[0]["bound_jobs_per_s"],
+            "jobs_per_s": stats([r["jobs_per_s"] for r in recs]),
+            "ratio_to_bound": stats([r["ratio_to_bound"] for r in recs]),
+            "cpu_us_per_step": stats([r["cpu_us_per_step"] for r in recs]),
+            "peak_rss_mb": stats([r["peak_rss_mb"] for r in recs]),
+        }
+    for (db, p), recs in sorted(_by(records, "tasks", "database", "processes").items()):
+        ours = {r["repeat"]: r for r in recs if r["backend"] == "durable"}
+        peer = {r["repeat"]: r for r in recs if r["backend"] == "django-tasks-db"}
+        summary["tasks"][f"{db} p={p}"] = {
+            "durable": stats([r["jobs_per_s"] for r in ours.values()]),
+            "peer": stats([r["jobs_per_s"] for r in peer.values()]),
+            # Each repeat's pair: durable, then the peer, seconds apart.
+            "ratio": stats([ours[k]["jobs_per_s"] / peer[k]["jobs_per_s"] for k in ours if k in peer]),
+            "durable_commits": stats([r.get("commits_per_job") for r in ours.values()]),
+            "peer_commits": stats([r.get("commits_per_job") for r in peer.values()]),
+        }
+    for (db, stalled), recs in sorted(_by(records, "dispatch", "database", "stalled").items()):
+        summary["dispatch"][f"{db} {'beside a stalled destination' if stalled else 'alone'}"] = {
+            "bound": recs[0]["bound_per_s"], "slots": recs[0]["slots"],
+            "actions_per_s": stats([r["healthy_actions_per_s"] for r in recs]),
+            "ratio": stats([r["healthy_actions_per_s"] / r["bound_per_s"] for r in recs]),
+        }
     for (db,), recs in _by(records, "rss", "database").items():
         summary["rss"][db] = rss_trend(recs[-1]["samples"])
     return summary
@@ -116,6 +145,33 @@ def rows(result):
                 [[k, _fmt(v["steps_per_s"]), _fmt(v["jobs_per_s"]), _fmt(v["ratio_to_ceiling"], 2),
                   _fmt(v["wall_minus_startup_steps_per_s"]), _fmt(v["cpu_us_per_step"]),
                   _fmt(v["peak_rss_mb"], 1)] for k, v in s["drain"].items()]))
+    opts = result["options"]
+    if s.get("io"):
+        out.append((f"Steps that wait: {opts.get('io_jobs')} one-step jobs whose step sleeps "
+                    f"{opts.get('io_sleep')} s (a model call's shape, a plain function), "
+                    "runworkers --burst, P processes × T threads",
+                    ["database", "jobs", "jobs/s", "bound (P × T / sleep)", "× bound", "CPU µs/step",
+                     "peak RSS MB"],
+                    [[k, f"{v['jobs']:,}", _fmt(v["jobs_per_s"], 1), f"{v['bound']:.0f}",
+                      _fmt(v["ratio_to_bound"], 2), _fmt(v["cpu_us_per_step"]), _fmt(v["peak_rss_mb"], 1)]
+                     for k, v in s["io"].items()]))
+    if s.get("tasks"):
+        out.append((f"@task: {opts.get('task_jobs')} no-op calls, durable's runworkers --burst beside "
+                    "django-tasks-db's db_worker --batch, same task, same database, same run; "
+                    "commits counted by PostgreSQL (xact_commit) per job",
+                    ["database", "durable jobs/s", "django-tasks-db jobs/s", "× peer",
+                     "durable commits/job", "peer commits/job"],
+                    [[k, _fmt(v["durable"]), _fmt(v["peer"]), _fmt(v["ratio"], 2),
+                      _fmt(v["durable_commits"], 2), _fmt(v["peer_commits"], 2)]
+                     for k, v in s["tasks"].items()]))
+    if s.get("dispatch"):
+        out.append((f"Dispatcher: {opts.get('dispatch_jobs')} queued actions, one dispatcher process, "
+                    f"a receiver that answers after {opts.get('dispatch_latency')} s; beside a "
+                    "stalled destination half of the actions go to one that never answers (2 s read "
+                    "timeout). Healthy actions/s from the first send to the last healthy success",
+                    ["case", "healthy actions/s", "slots for it", "bound (slots / latency)", "× bound"],
+                    [[k, _fmt(v["actions_per_s"]), str(v["slots"]), f"{v['bound']:.0f}",
+                      _fmt(v["ratio"], 2)] for k, v in s["dispatch"].items()]))
     out.append(("Submit-to-start latency, idle workers, one submit at a time (ms, from the submit call)",
                 ["database", "p50", "p99", "p50 from commit"],
                 [[k, _fmt(v["p50_ms"], 1), _fmt(v["p99_ms"], 1), _fmt(v["p50_from_commit_ms"], 1)]

@@ -63,8 +63,21 @@ def parse_args(argv=None):
                    help="databases for the claim figure (default: all of --databases)")
     p.add_argument("--claims", type=int, default=200, help="claims timed per size and repeat")
     p.add_argument("--action-jobs", type=int, default=500, help="one-action jobs for the actions figure")
+    p.add_argument("--threads", type=_csv(int), default=[1, 8],
+                   help="threads per worker process for the no-op drain (default 1,8)")
+    p.add_argument("--io-jobs", type=int, default=1000, help="jobs whose one step sleeps (default 1000)")
+    p.add_argument("--io-sleep", type=float, default=0.5, help="seconds each of those steps sleeps")
+    p.add_argument("--io-processes", type=int, default=2, help="worker processes for that drain")
+    p.add_argument("--io-threads", type=_csv(int), default=[1, 8, 32],
+                   help="threads per process for that drain (default 1,8,32)")
+    p.add_argument("--task-jobs", type=int, default=2000, help="no-op @task calls per drain")
+    p.add_argument("--task-processes", type=_csv(int), default=[1, 4],
+                   help="worker processes of each backend for the task figure (default 1,4)")
+    p.add_argument("--dispatch-jobs", type=int, default=300, help="queued actions for the dispatcher figure")
+    p.add_argument("--dispatch-latency", type=float, default=0.1,
+                   help="seconds the healthy receiver takes to answer (default 0.1)")
     p.add_argument("--skip", type=_csv(str), default=[],
-                   help="figures to leave out: ceiling,schema,drain,latency,claim,actions")
+                   help="figures to leave out: ceiling,schema,drain,latency,claim,actions,io,tasks,dispatch")
     p.add_argument("--long", action="store_true", help="also measure RSS over --rss-steps steps")
     p.add_argument("--rss-steps", type=int, default=100_000)
     p.add_argument("--quick", action="store_true",
@@ -96,6 +109,9 @@ def parse_args(argv=None):
         args.claim_sizes = [s for s in args.claim_sizes if s <= 100_000]
         args.claims = 50
         args.action_jobs = 100
+        args.io_jobs = min(args.io_jobs, 200)
+        args.task_jobs = min(args.task_jobs, 300)
+        args.dispatch_jobs = min(args.dispatch_jobs, 100)
     args.repeat = args.repeat or 3
     for db in args.databases:
         if db not in ("sqlite", "postgres"):
@@ -139,6 +155,15 @@ class Bench:
                 conn.execute(f'CREATE DATABASE "{name}"')
             self.pg_url = self._bench_pg_url()
             self._manage(self._env("postgres"), "migrate", "-v0")
+        if "tasks" not in self.args.skip and not self.args.profile:
+            # The peer's tables beside durable's, in the same databases (its own virtualenv).
+            from bench import peers
+
+            python = peers.ensure_venv()
+            for db in self.args.databases:
+                env = self._env(db, "FULL", path=self.template)
+                env["DJANGO_SETTINGS_MODULE"] = "bench.peer_settings"
+                self._peer(python, env, "migrate")
 
     def cleanup(self):
         if self.pg_url and not self.args.keep:
@@ -240,13 +265,74 @@ class Bench:
               file=sys.stderr)
         return self.record("ceiling", label, repeat, processes=processes, shape=shape, **res)
 
-    def drain(self, db, synchronous, processes, repeat):
+    def drain(self, db, synchronous, processes, repeat, threads=1):
         env = self.fresh(db, synchronous)
-        res = self.phase("drain", env, jobs=self.args.jobs, processes=processes)
+        res = self.phase("drain", env, jobs=self.args.jobs, processes=processes,
+                         threads=threads if threads != 1 else None)
+        res["threads"] = threads
         label = self.label(db, synchronous)
-        print(f"  durable {label} p={processes}: {res['steps_per_s']:.0f} steps/s, "
+        print(f"  durable {label} p={processes} t={threads}: {res['steps_per_s']:.0f} steps/s, "
               f"{res['cpu_us_per_step']:.0f} us CPU/step", file=sys.stderr)
         return self.record("drain", label, repeat, **res)
+
+    def io(self, db, synchronous, threads, repeat):
+        env = self.fresh(db, synchronous)
+        res = self.phase("io", env, jobs=self.args.io_jobs, processes=self.args.io_processes,
+                         threads=threads if threads != 1 else None, sleep=self.args.io_sleep)
+        label = self.label(db, synchronous)
+        print(f"  sleeping steps {label} p={res['processes']} t={threads}: {res['jobs_per_s']:.1f} "
+              f"jobs/s of a bound of {res['bound_jobs_per_s']:.0f} ({res['ratio_to_bound']:.2f} x)",
+              file=sys.stderr)
+        return self.record("io", label, repeat, **res)
+
+    def tasks(self, db, synchronous, processes, repeat):
+        """The same no-op @task drained by durable, then by django-tasks-db, on one database."""
+        from bench import peers
+
+        label = self.label(db, synchronous)
+        env = self.fresh(db, synchronous)
+        res = self.phase("tasks", env, jobs=self.args.task_jobs, processes=processes)
+        print(f"  @task durable {label} p={processes}: {res['jobs_per_s']:.0f} jobs/s, "
+              f"{res.get('commits_per_job', float('nan')):.2f} commits/job", file=sys.stderr)
+        self.record("tasks", label, repeat, backend="durable", **res)
+        python = peers.ensure_venv()
+        self.peer_versions = peers.versions()
+        env = self.fresh(db, synchronous)
+        env["DJANGO_SETTINGS_MODULE"] = "bench.peer_settings"
+        self.quiet()
+        peer = self._peer(python, env, "drain", jobs=self.args.task_jobs, processes=processes)
+        print(f"  @task django-tasks-db {label} p={processes}: {peer['jobs_per_s']:.0f} jobs/s, "
+              f"{peer.get('commits_per_job', float('nan')):.2f} commits/job", file=sys.stderr)
+        return self.record("tasks", label, repeat, backend="django-tasks-db", **peer)
+
+    def _peer(self, python, env, name, **params):
+        params["log_dir"] = str(self.logs)
+        proc = subprocess.run([str(python), "-m", "bench.peers", name, json.dumps(params)], cwd=ROOT,
+                              env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"peer {name} failed:\n{proc.stderr[-3000:]}")
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    def dispatch(self, db, stalled, repeat):
+        from bench.phase import Blackhole
+        from durable.testing import ReceiverProcess
+
+        receiver = ReceiverProcess(self.tmp / f"receiver-dispatch-{db}-{repeat}.jsonl").start()
+        blackhole = Blackhole()
+        try:
+            receiver.behave("slow_after_acting", delay=self.args.dispatch_latency)
+            env = self.fresh(db)
+            env.update(BENCH_ACTIONS="1", BENCH_RECEIVER_URL=receiver.url,
+                       BENCH_STALLED_URL=blackhole.url)
+            res = self.phase("dispatch", env, jobs=self.args.dispatch_jobs, stalled=stalled)
+        finally:
+            receiver.stop()
+            blackhole.close()
+        res["latency_s"] = self.args.dispatch_latency
+        res["bound_per_s"] = res["slots"] / self.args.dispatch_latency
+        print(f"  dispatcher {db} {'beside a stalled destination' if stalled else 'alone'}: "
+              f"{res['healthy_actions_per_s']:.0f} healthy actions/s", file=sys.stderr)
+        return self.record("dispatch", db, repeat, **res)
 
     def latency(self, db, synchronous, processes, repeat):
         env = self.fresh(db, synchronous)
@@ -370,7 +456,19 @@ class Bench:
                         self.attempt(f"schema ceiling {label} p={p}", self.ceiling, db, sync, p,
                                      repeat, "durable")
                     if "drain" not in skip:
-                        self.attempt(f"durable {label} p={p}", self.drain, db, sync, p, repeat)
+                        for t in a.threads:
+                            self.attempt(f"durable {label} p={p} t={t}", self.drain, db, sync, p,
+                                         repeat, t)
+                if "io" not in skip and sync == "FULL":
+                    for t in a.io_threads:
+                        self.attempt(f"sleeping steps {label} t={t}", self.io, db, sync, t, repeat)
+                if "tasks" not in skip and sync == "FULL":
+                    for p in a.task_processes:
+                        self.attempt(f"@task {label} p={p}", self.tasks, db, sync, p, repeat)
+                if "dispatch" not in skip and sync == "FULL":
+                    for stalled in (False, True):
+                        self.attempt(f"dispatcher {label} stalled={stalled}", self.dispatch, db,
+                                     stalled, repeat)
                 if "latency" not in skip:
                     for p in a.latency_processes:
                         self.attempt(f"latency {label} p={p}", self.latency, db, sync, p, repeat)
@@ -423,6 +521,7 @@ def main(argv=None):
         "machine": info,
         "records": bench.records,
         "plans": getattr(bench, "plans", {}),
+        "peer_versions": getattr(bench, "peer_versions", None),
         "errors": bench.errors,
     }
     result["summary"] = summarise(result)

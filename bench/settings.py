@@ -67,6 +67,17 @@ if os.environ.get("BENCH_RECEIVER_URL"):
             "LOOKUP_URL": f"{_receiver}/actions/lookup?key={{key}}",
         },
     }
+# A destination that accepts connections and never answers (the dispatcher figure):
+# each request waits out its 2 s read timeout; the action is then unknown and waits for
+# an operator (no lookup, no deduplication), so each row costs one wait.
+if os.environ.get("BENCH_STALLED_URL"):
+    DURABLE.setdefault("DESTINATIONS", {})
+    DURABLE["DESTINATIONS"] = {**DURABLE["DESTINATIONS"], "stalled": {
+        "CLASS": "durable.destinations.HttpDestination",
+        "URL": f"{os.environ['BENCH_STALLED_URL']}/actions",
+        "IDEMPOTENT": False,
+        "TIMEOUT": (3.05, 2.0),
+    }}
 
 # The worker logs one INFO line per step by default; BENCH_LOG_LEVEL lets a run show
 # what that costs (the orchestrator records the level it used).

@@ -24,6 +24,17 @@ class Noop(Workflow):
         return None
 
 
+class Sleep(Workflow):
+    """One step that waits on nothing, as a model or tool call waits on the network."""
+
+    name = "bench_sleep"
+
+    @step(timeout=30)
+    def call(self, payload, ctx):
+        time.sleep(payload["seconds"])
+        return None
+
+
 class Probe(Workflow):
     """One step that records when it started, to measure submit-to-start latency."""
 
@@ -45,4 +56,5 @@ if os.environ.get("BENCH_ACTIONS") == "1":
 
         @step(action=True)
         def send(self, payload, ctx):
-            return Action(destination="bench", operation="create", values={"n": payload["n"]})
+            return Action(destination=payload.get("to", "bench"), operation="create",
+                          values={"n": payload["n"]})
