@@ -3,14 +3,20 @@
 Children are forked (so they share the parent's loaded code) after the parent closed
 its database connections: a connection must never be shared across a fork. A child
 that dies is replaced; a child that exits after a step timeout is replaced at once.
+A child never outlives its supervisor, even a SIGKILLed one: it drains as on SIGTERM
+(see ``_die_with_parent``), so no orphan keeps claiming work with old code.
 """
 
 import contextlib
+import ctypes
+import ctypes.util
 import logging
 import multiprocessing
 import os
 import signal
+import sys
 import tempfile
+import threading
 import time
 
 from django.db import connections
@@ -25,12 +31,49 @@ def _mp_context():
     return multiprocessing.get_context("fork" if "fork" in methods else "spawn")
 
 
-def _run_role(role, index, options):
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+# How often a child checks that its supervisor is alive where the kernel cannot say.
+PARENT_CHECK_SECONDS = 1.0
+
+
+def _die_with_parent(parent_pid):
+    """SIGTERM this process (a drain) when the supervisor ``parent_pid`` is gone.
+
+    Linux sends the parent-death signal; elsewhere a thread checks the parent pid.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+            armed = libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) == 0
+        except (OSError, AttributeError):
+            armed = False
+        if armed:
+            # The supervisor may have died before prctl: then no signal will come.
+            if os.getppid() != parent_pid:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True,
+                     name="durable-parent-check").start()
+
+
+def _watch_parent(parent_pid, interval=PARENT_CHECK_SECONDS):
+    """Poll until the parent is gone (the child was re-parented), then SIGTERM this process."""
+    while os.getppid() == parent_pid:
+        time.sleep(interval)
+    logger.warning("supervisor pid=%d is gone: draining", parent_pid)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _run_role(role, index, options, parent_pid=None):
     """Entry point of a child process."""
     # Children start with default signal dispositions; the parent's handlers would
-    # otherwise run here and forward signals to nobody.
+    # otherwise run here and forward signals to nobody. Until the worker installs its
+    # own, a SIGTERM (the supervisor died) ends this process before it claims anything.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if parent_pid is not None:
+        _die_with_parent(parent_pid)
     import django
 
     if not django.apps.apps.ready:  # spawn start method
@@ -122,7 +165,7 @@ class Supervisor:
     def _spawn(self, slot):
         role, index, options = slot
         connections.close_all()
-        proc = self._ctx.Process(target=_run_role, args=(role, index, options),
+        proc = self._ctx.Process(target=_run_role, args=(role, index, options, os.getpid()),
                                  name=f"durable-{role}{index}")
         proc.start()
         self.children[slot] = proc
