@@ -3,6 +3,8 @@
 Reading happens on every attribute access so that ``override_settings`` works in tests.
 """
 
+import math
+
 from django.conf import settings
 
 DEFAULTS = {
@@ -35,6 +37,13 @@ DEFAULTS = {
     # behind a pooler that cannot keep prepared statements (PgBouncer before 1.21 in
     # transaction mode).
     "PREPARED_STATEMENTS": True,
+    # PostgreSQL: bounded detection of an unreachable database server in worker and
+    # dispatcher processes (libpq options added to each connection; OPTIONS in
+    # DATABASES win). Seconds to wait for a new connection, and seconds an established
+    # connection may leave data unacknowledged or keepalive probes unanswered before
+    # it counts as dead (tcp_user_timeout and TCP keepalives). None: libpq's default.
+    "DB_CONNECT_TIMEOUT": 10,
+    "DB_DEAD_AFTER": 20,
     # Seconds a SIGTERMed worker gets to finish its current step before it is killed.
     "SHUTDOWN_GRACE": 30.0,
     # Default number of worker processes (None: the CPU count).
@@ -67,6 +76,45 @@ DEFAULTS = {
     # Fault injection for drills: the name of a fault point where the process SIGKILLs itself.
     "FAULT_POINT": None,
 }
+
+
+def connection_options(connect_timeout, dead_after):
+    """libpq options that bound how long a connection to an unreachable server hangs.
+
+    Without them a connection to a host that vanished (a partition, not a crash: no
+    reset ever arrives) blocks for the kernel's defaults, minutes to hours. With
+    ``tcp_user_timeout`` a send that stays unacknowledged fails after ``dead_after``
+    seconds; keepalive probes find an idle connection dead within the same bound.
+    """
+    options = {}
+    if connect_timeout is not None:
+        # libpq reads whole seconds and treats 1 as 2; never round a bound down to 0.
+        options["connect_timeout"] = max(2, math.ceil(float(connect_timeout)))
+    if dead_after is not None:
+        dead_after = float(dead_after)
+        idle = max(1, math.ceil(dead_after / 2))
+        interval = max(1, math.ceil(dead_after / 6))
+        options.update(keepalives=1, keepalives_idle=idle, keepalives_interval=interval,
+                       keepalives_count=3, tcp_user_timeout=max(1, round(dead_after * 1000)))
+    return options
+
+
+def bound_database_connections(connections_=None):
+    """Add the DB_CONNECT_TIMEOUT / DB_DEAD_AFTER options to every PostgreSQL database.
+
+    Called by worker and dispatcher processes before they connect; options the site
+    set itself in ``DATABASES[...]["OPTIONS"]`` are kept. Idempotent.
+    """
+    if connections_ is None:
+        from django.db import connections as connections_
+    options = connection_options(durable_settings.DB_CONNECT_TIMEOUT,
+                                 durable_settings.DB_DEAD_AFTER)
+    for alias in connections_:
+        settings_dict = connections_.settings[alias]
+        if "postgresql" in settings_dict.get("ENGINE", ""):
+            target = settings_dict.setdefault("OPTIONS", {})
+            for key, value in options.items():
+                target.setdefault(key, value)
 
 
 class DurableSettings:

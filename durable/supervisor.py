@@ -78,8 +78,11 @@ def _run_role(role, index, options, parent_pid=None):
 
     if not django.apps.apps.ready:  # spawn start method
         django.setup()
+    from .conf import bound_database_connections
     from .worker import Worker, worker_id
 
+    # Before the first connection: a database that vanishes is noticed in bounded time.
+    bound_database_connections()
     runner = ROLES[role]
     if runner is None:
         options = dict(options)
@@ -205,10 +208,11 @@ class Supervisor:
         return 0
 
     def _restart(self, slot, code):
-        from .worker import EXIT_STEP_TIMEOUT
+        from .worker import EXIT_LEASE_UNRENEWABLE, EXIT_STEP_TIMEOUT
 
         role, index, _ = slot
-        why = "after a step timeout" if code == EXIT_STEP_TIMEOUT else f"exit code {code}"
+        why = {EXIT_STEP_TIMEOUT: "after a step timeout",
+               EXIT_LEASE_UNRENEWABLE: "after its lease could not be renewed"}.get(code, f"exit code {code}")
         # Back off a child that keeps crashing so a broken deploy does not spin.
         last, count = self._restarts.get(slot, (0.0, 0))
         count = count + 1 if time.monotonic() - last < 10 else 0

@@ -50,6 +50,8 @@ DURABLE = {
     "BACKOFF_CAP": float(os.environ.get("DURABLE_BACKOFF_CAP", 300.0)),
     "POLL_INTERVAL": float(os.environ.get("DURABLE_POLL_INTERVAL", 0.2)),
     "SHUTDOWN_GRACE": 10.0,
+    "DB_CONNECT_TIMEOUT": float(os.environ.get("DURABLE_DB_CONNECT_TIMEOUT", 10)),
+    "DB_DEAD_AFTER": float(os.environ.get("DURABLE_DB_DEAD_AFTER", 20)),
 }
 
 LOGGING = {
