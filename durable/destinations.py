@@ -14,6 +14,8 @@ applied twice) and ``lookup`` (find a request by its key). Destinations are name
 
 import logging
 import os
+import socket
+import struct
 import threading
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, quote, urlsplit
@@ -155,6 +157,27 @@ class Destination:
 
 _session_pid = None
 _session_lock = threading.Lock()
+
+# SO_LINGER on, zero seconds: close() resets the connection and drops what is unsent.
+_LINGER_ZERO = (socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+if requests is not None:
+
+    class _ResettingAdapter(HTTPAdapter):
+        """Connections that close with a reset, so a request given up on never arrives later.
+
+        After a read timeout the request may still sit unacknowledged in the kernel's send
+        queue (the network is cut, say). A normal close keeps retransmitting it, and once
+        the network heals the receiver applies it: after our lookup found nothing and the
+        action was resent, which is a duplicate at a receiver without idempotency. A reset
+        discards it, so when ``dispatch`` returns "unknown", the request either arrived
+        already (a lookup finds it) or never will.
+        """
+
+        def init_poolmanager(self, *args, **kwargs):
+            kwargs["socket_options"] = [*urllib3.connection.HTTPConnection.default_socket_options,
+                                        _LINGER_ZERO]
+            super().init_poolmanager(*args, **kwargs)
 _sessions = {}
 
 
@@ -177,7 +200,8 @@ def session():
             no_retries = urllib3.Retry(total=0, connect=0, read=0, redirect=0, status=0,
                                        other=0, raise_on_status=False)
             size = max(10, int(durable_settings.DISPATCH_BATCH_SIZE))
-            adapter = HTTPAdapter(max_retries=no_retries, pool_connections=10, pool_maxsize=size)
+            adapter = _ResettingAdapter(max_retries=no_retries, pool_connections=10,
+                                        pool_maxsize=size)
             current.mount("http://", adapter)
             current.mount("https://", adapter)
             _sessions["default"] = current

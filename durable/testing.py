@@ -525,10 +525,13 @@ class ReceiverProcess:
     """
 
     def __init__(
-        self, store_path, *, idempotent=True, lookup=True, loss_rate=0.0, seed=0, python=None
+        self, store_path, *, idempotent=True, lookup=True, loss_rate=0.0, seed=0, python=None,
+        host="127.0.0.1", port=0, prefix=(),
     ):
         self.store_path = Path(store_path)
-        self._args = [python or sys.executable, "-m", "durable.testing", "--port", "0"]
+        # ``prefix`` runs the process under another command (a drill's network namespace).
+        self._args = [*prefix, python or sys.executable, "-m", "durable.testing", "--host", host,
+                      "--port", str(port)]
         self._args += ["--store", str(self.store_path), "--loss-rate", str(loss_rate)]
         self._args += ["--seed", str(seed)]
         if not idempotent:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 DRILLS = [
     "faults", "matrix", "random", "storm", "paused", "terminate", "restart", "skew", "busy", "busy-deferred",
+    "partition",
 ]
 
 
@@ -55,7 +56,15 @@ def plan(size, database, only, restart):
                 steps.append(("skew-approvals", lambda lab: [d.clock_skew_approvals(lab, size)]))
             else:
                 steps.append(("skew", "libfaketime is not installed (apt-get install faketime)"))
+        if "partition" in only:
+            from . import netlab
+
+            reason = netlab.unavailable()
+            steps.append(("partition", reason or (lambda lab: _partition(lab, size))))
     else:
+        if "partition" in only:
+            steps.append(("partition", "several hosts share one PostgreSQL; a SQLite file "
+                                       "cannot be shared across machines"))
         if "skew" in only:
             steps.append(("skew", "SQLite has no server clock: each process reads its own, so "
                                   "a skewed process on one machine is not a supported setup"))
@@ -65,6 +74,16 @@ def plan(size, database, only, restart):
             steps.append(("busy-deferred",
                           lambda lab: [d.sqlite_contention(lab, size, "DEFERRED")]))
     return steps
+
+
+def _partition(lab, size):
+    """The partition drill builds its own hosts and cluster, in a process of its own."""
+    from .partition import run_in_subprocess
+
+    rows, skipped = run_in_subprocess(size.name, lab.workdir)
+    if skipped:
+        raise RuntimeError(skipped)
+    return rows
 
 
 def main(argv=None):
@@ -166,6 +185,10 @@ def _drill_specific(row):
         out.append("approvals expired early under a skewed clock")
     if row.drill == "paused holder" and not row.extra.get("returned_to_commit"):
         out.append("the paused holders never reached their commit")
+    if row.drill.startswith("partition"):
+        from .partition import problems
+
+        out.extend(problems(row))
     if row.extra.get("worker_restarts"):
         out.append("workers had to be restarted")
     return out

@@ -17,7 +17,7 @@ Payload knobs (all optional):
 import os
 import time
 
-from durable import Retry, Workflow, faults, step
+from durable import Action, Retry, Workflow, faults, step
 from durable.destinations import Destination, HttpDestination, register
 
 # Kills during a drill hit a step again and again; a real poison job would fail after
@@ -196,3 +196,28 @@ class Chaos(Workflow):
     @step(retry=CHAOS_RETRY)
     def c(self, data, ctx):
         return chaos(ctx)
+
+
+# The partition drill's ticket: the same three steps as ``ticket``, with the drills'
+# patient retries, because a host cut off from the receiver turns sends into "not sent"
+# (nothing was delivered) several times in a row before another host sends it.
+
+
+class DrillTicket(Workflow):
+    """Prepare, create the ticket at the receiver (an action), confirm."""
+
+    name = "drill_ticket"
+
+    @step(retry=DRILL_RETRY)
+    def prepare(self, payload, ctx):
+        return {"subject": "Printer on fire", "customer": payload["customer"]}
+
+    @step(action=True, retry=DRILL_RETRY)
+    def create_ticket(self, data, ctx):
+        return Action(destination="test_receiver", operation="create_ticket",
+                      values={"subject": data["subject"], "customer": data["customer"]},
+                      summary=f"Create a ticket for {data['customer']}")
+
+    @step(retry=DRILL_RETRY)
+    def confirm(self, memo, ctx):
+        return {"ticket": memo["remote_id"], "how": memo["confirmed_by"]}

@@ -1,0 +1,30 @@
+"""The HTTP destination's connections close with a reset.
+
+After a read timeout the request may still wait, unacknowledged, in the kernel's send
+queue (the network between us and the receiver is cut). Closed normally, the kernel
+would keep retransmitting it and the receiver would apply it once the network heals:
+after a lookup found nothing and the action was resent. The partition drill
+(``tests/drills/test_partition.py``) counted that duplicate before this; here the
+option itself is checked on a real connection to a real server.
+"""
+
+import socket
+import struct
+
+from durable import destinations
+from durable.testing import Receiver
+
+
+def test_every_connection_the_destination_opens_resets_on_close_instead_of_retransmitting():
+    with Receiver() as receiver:
+        session = destinations.session()
+        reply = session.get(f"{receiver.url}/actions/lookup?key=nothing", timeout=(1, 2))
+        assert reply.status_code == 404
+        pool = session.get_adapter(receiver.url).poolmanager.connection_from_url(receiver.url)
+        conn = pool._new_conn()  # a connection as the pool opens them, to the same server
+        conn.connect()
+        onoff, seconds = struct.unpack("ii", conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_LINGER, 8))
+        assert (onoff, seconds) == (1, 0)
+        # The usual options are kept beside it.
+        assert conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+        conn.close()
