@@ -103,22 +103,10 @@ class JobAdmin(ReadOnlyAdmin):
         return views.job_urls(self) + super().get_urls()
 
     def change_view(self, request, object_id, form_url="", extra_context=None):
-        return views.in_utc(views.job_detail, request, self, object_id)
+        return views.job_page(self)(request, object_id)
 
     def changelist_view(self, request, extra_context=None):
-        extra = {
-            "title": "Jobs",
-            "dashboard_url": views.url_or_blank(self.admin_site, "durable_dashboard"),
-            "console_nav": views.console_nav(self.admin_site),
-            "console_section": "jobs",
-            "paused": list(Pause.objects.order_by("workflow")),
-            "bulk_verbs": [
-                {"verb": v, "url": views.admin_url(self.admin_site, "durable_job_bulk", v.name,
-                                              query=request.GET.urlencode())}
-                for v in views.VERBS.values()
-                if v.bulk is not None and request.user.has_perm(v.permission)
-            ],
-        }
+        extra = views.job_list_context(request, self)
         return super().changelist_view(request, {**extra, **(extra_context or {})})
 
     # Columns ---------------------------------------------------------------------------
@@ -174,7 +162,7 @@ class JobAdmin(ReadOnlyAdmin):
 
     def _confirm_selected(self, request, queryset, verb):
         ids = list(queryset.values_list("pk", flat=True))
-        return views.bulk_confirm_selected(request, self, verb, ids)
+        return views.confirm_selected(request, self, verb, ids)
 
     @admin.action(permissions=["requeue"], description="Requeue the selected failed jobs…")
     def requeue_selected(self, request, queryset):

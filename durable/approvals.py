@@ -23,7 +23,7 @@ from decimal import Decimal
 
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import transaction
-from django.db.models import F, Sum
+from django.db.models import F
 from django.db.models.functions import Now
 
 from . import audit, faults, locking
@@ -640,71 +640,3 @@ def prepare_again(approval_id, user, reason=""):
         audit.admin_log(user, approval, f"Prepare again. {reason}".strip())
         locking.notify("durable_jobs", job.workflow)
     return job
-
-
-# What the approval pages show --------------------------------------------------------------
-
-
-def queue():
-    """Open proposals, oldest first."""
-    return (
-        Approval.objects.pending().select_related("job").order_by("requested_at", "id")
-    )
-
-
-_MICRO = Decimal("0.000001")
-
-
-def cost_so_far(job_id, step=None):
-    """The job's cost so far: its memos, plus the run that prepared ``step``'s proposal.
-
-    An action step's memo is written only when its action is confirmed; until then its
-    cost (the model call that prepared the proposal) is recorded on the proposal's event.
-    """
-    total = StepResult.objects.filter(job_id=job_id).aggregate(total=Sum("cost"))["total"]
-    total = Decimal(total or 0)
-    if step and not StepResult.objects.filter(job_id=job_id, step=step).exists():
-        data = (
-            JobEvent.objects.filter(job_id=job_id, step=step, kind=EventKind.ACTION,
-                                    data__phase="enqueued")
-            .order_by("-id").values_list("data", flat=True).first()
-        ) or {}
-        try:
-            total += Decimal(str(data.get("cost", "0")))
-        except ArithmeticError:
-            pass
-    return total.quantize(_MICRO)
-
-
-def diff(current, values):
-    """Rows comparing the target record now with the record after the proposal is applied."""
-    if not isinstance(current, dict):
-        return []
-    rows = []
-    for key in sorted(set(current) | set(values), key=str):
-        before = current.get(key)
-        after = values.get(key, before)
-        rows.append({
-            "field": key,
-            "before": before,
-            "after": after,
-            "new": key not in current,
-            "changed": key in values and (key not in current
-                                          or canonical_json(before) != canonical_json(after)),
-        })
-    return rows
-
-
-def current_record(approval):
-    """The target record as the workflow reads it now, or None when it cannot tell."""
-    job = approval.job
-    try:
-        workflow = registry.get(job.workflow)
-        st = workflow.steps_by_name[approval.step]
-        proposal = approval.proposal
-        action = Action(proposal["destination"], proposal["operation"], proposal["values"],
-                        approval.summary)
-        return workflow.current_record(action, context_for(job, st))
-    except Exception:  # noqa: BLE001 - the page still shows the proposal without a diff
-        logger.exception("current_record failed for approval %s", approval.pk)
-        return None

@@ -226,16 +226,25 @@ def send_back(job_id, *, to_state=None, user=None, reason=""):
 
 
 def pause(workflow, *, user=None, reason=""):
-    """Stop workers claiming jobs of ``workflow`` (running steps finish)."""
+    """Stop workers claiming jobs of ``workflow`` (running steps finish); audited."""
     registry.get(workflow)
-    Pause.objects.update_or_create(
-        workflow=workflow, defaults={"paused_by": audit.actor(user), "reason": reason}
-    )
+    with transaction.atomic():
+        row, _ = Pause.objects.update_or_create(
+            workflow=workflow, defaults={"paused_by": audit.actor(user), "reason": reason}
+        )
+        audit.admin_log(user, row, f"paused: {reason}", audit.ADDITION)
+    return row
 
 
 def resume(workflow, *, user=None, reason=""):
-    """Let workers claim jobs of ``workflow`` again."""
-    Pause.objects.filter(workflow=workflow).delete()
+    """Let workers claim jobs of ``workflow`` again; audited. False when it was not paused."""
+    with transaction.atomic():
+        row = Pause.objects.select_for_update().filter(workflow=workflow).first()
+        if row is None:
+            return False
+        audit.admin_log(user, row, f"resumed: {reason}", audit.DELETION)
+        row.delete()
+    return True
 
 
 # Replaying a step -------------------------------------------------------------------------

@@ -77,3 +77,10 @@ def test_a_nul_character_in_a_job_id_is_refused_never_a_server_error(operator):
     response = operator.post(act("bad\x000", "requeue"), {"reason": "x"})
     assert response.status_code == 400
     assert Job.objects.get(pk="bad0").state == "failed_fetch"
+
+
+def test_a_nul_character_in_the_job_page_address_is_refused_never_a_server_error(operator):
+    make_job("bad0", "failed_fetch")
+    response = operator.get("/admin/durable/job/bad%000/change/")
+    assert response.status_code == 400 and b"NUL character" in response.content
+    assert response["X-Frame-Options"] == "DENY"

@@ -265,3 +265,35 @@ def test_a_refusal_at_the_destination_is_shown_to_the_operator_as_a_failure(
     proposal_page = approver_client.get(page_url(approval)).content.decode()
     assert "now failed_refund" in proposal_page
     assert receiver.requests == 1
+
+
+def test_the_approval_pages_are_console_pages_with_its_tabs_and_banners(propose, approver_client):
+    approval = propose()
+    services.pause("refund", user="ops", reason="ledger migration")
+
+    for url in (reverse(QUEUE), page_url(approval)):
+        html = approver_client.get(url).content.decode()
+        assert 'class="durable-tabs"' in html
+        assert f'<a href="{reverse(QUEUE)}" class="current" aria-current="page">Approvals</a>' in html
+        assert "refund is paused." in html and "ledger migration" in html
+
+
+def test_the_decision_is_offered_only_in_the_steps_approval_state_as_the_table_names_it(
+        propose, approver_client):
+    approval = propose()
+    assert 'value="Approve"' in approver_client.get(page_url(approval)).content.decode()
+
+    Job.objects.filter(pk="job-1").update(state="cancelled")
+
+    html = approver_client.get(page_url(approval)).content.decode()
+    assert 'value="Approve"' not in html and 'value="Prepare again"' not in html
+
+
+def test_a_nul_in_a_decision_is_refused_before_anything_is_decided(propose, approver_client):
+    approval = propose()
+
+    response = approver_client.post(page_url(approval), {
+        "decision": "reject", "proposal_hash": approval.proposal_hash, "reason": "no\x00pe"})
+
+    assert response.status_code == 400 and b"NUL" in response.content
+    assert Approval.objects.get(pk=approval.pk).status == ApprovalStatus.REQUESTED

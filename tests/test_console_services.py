@@ -157,3 +157,19 @@ def test_a_bulk_verb_without_a_reason_changes_nothing(db):
         services.bulk_requeue(Job.objects.all(), reason="  ")
 
     assert Job.objects.get().state == "failed_fetch"
+
+
+def test_pause_and_resume_from_code_are_audited_like_the_console_does(db):
+    from durable.models import Pause
+
+    user = make_user("pat")
+
+    services.pause("test_pipeline", user=user, reason="provider outage")
+    assert Pause.objects.get().paused_by == "pat"
+    assert services.resume("test_pipeline", user=user, reason="provider is back") is True
+    assert not Pause.objects.exists()
+    assert services.resume("test_pipeline", user=user, reason="again") is False
+
+    logged = LogEntry.objects.filter(user=user).order_by("id")
+    assert [(e.change_message, e.action_flag) for e in logged] == [
+        ("paused: provider outage", 1), ("resumed: provider is back", 3)]

@@ -1,0 +1,66 @@
+"""The cost report: memo costs per UTC day, per step or per workflow, over a chosen range."""
+
+import datetime
+
+from django import forms
+from django.template.response import TemplateResponse
+
+from .. import locking, reports
+from ..models import StepResult
+from ..workflows import registry
+from .base import context, require_view
+from .charts import OTHER, columns_chart
+
+
+class CostForm(forms.Form):
+    start = forms.DateField(label="From", widget=forms.DateInput(attrs={"type": "date"}))
+    end = forms.DateField(label="To (inclusive)", widget=forms.DateInput(attrs={"type": "date"}))
+    by = forms.ChoiceField(label="Per", choices=[("step", "step"), ("workflow", "workflow")])
+    workflow = forms.ChoiceField(label="Workflow", required=False)
+
+    MAX_DAYS = 366
+
+    def __init__(self, *args, workflows=(), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fields["workflow"].choices = [("", "all workflows")] + [(w, w) for w in workflows]
+
+    def clean(self):
+        data = super().clean()
+        start, end = data.get("start"), data.get("end")
+        if start and end:
+            if end < start:
+                raise forms.ValidationError("The range ends before it starts.")
+            if (end - start).days >= self.MAX_DAYS:
+                raise forms.ValidationError(f"Choose a range of at most {self.MAX_DAYS} days.")
+        return data
+
+
+def cost_report(request, admin_site):
+    require_view(request, "durable.view_stepresult", "durable.view_job")
+    today = locking.db_now().astimezone(datetime.UTC).date()
+    defaults = {"start": today - datetime.timedelta(days=13), "end": today, "by": "step",
+                "workflow": ""}
+    workflows = sorted(set(registry.names()) | set(
+        StepResult.objects.values_list("workflow", flat=True).distinct()))
+    form = CostForm(request.GET or None, workflows=workflows, initial=defaults)
+    params = dict(defaults)
+    if request.GET and form.is_valid():
+        params.update(form.cleaned_data)
+    start = datetime.datetime.combine(params["start"], datetime.time(), tzinfo=datetime.UTC)
+    end = datetime.datetime.combine(params["end"] + datetime.timedelta(days=1), datetime.time(),
+                                    tzinfo=datetime.UTC)
+    data = reports.cost_by_day(start, end, by=params["by"], workflow=params["workflow"] or None)
+    series = data["series"]
+    chart = columns_chart(data["days"], series)
+    colors = {s["name"]: s["color"] for s in chart["series"]}
+    for s in series:
+        s["color"] = colors.get(s["name"], OTHER)
+    legend = [{"name": s["name"], "color": s["color"]} for s in chart["series"]]
+    per_day = [{"day": day, "values": [s["per_day"][i] for s in chart["series"]],
+                "total": data["totals"][i]} for i, day in enumerate(data["days"])]
+    ctx = context(
+        request, admin_site, "Cost report", "costs",
+        form=form, params=params, data=data, series=series, chart=chart, legend=legend,
+        per_day=per_day, column_names=[s["name"] for s in chart["series"]],
+    )
+    return TemplateResponse(request, "admin/durable/costs.html", ctx)

@@ -1,0 +1,187 @@
+"""The dashboard: the four operator questions and the alerts; a failure group requeued; pause.
+
+Read from ``durable.reports`` against one database time; the pause form posts here and
+calls ``services.pause``/``resume``, which record who did it.
+"""
+
+import datetime
+from decimal import Decimal
+
+from django.contrib import messages
+from django.http import HttpResponseRedirect
+from django.template.response import TemplateResponse
+
+from .. import reports, services
+from ..exceptions import DurableError
+from ..models import Approval, Job, Outbox
+from ..workflows import registry
+from .base import (
+    admin_url,
+    back_to,
+    context,
+    form_reason,
+    job_url,
+    jobs_url,
+    require,
+    require_view,
+    tab_url,
+)
+from .bulk import confirm_bulk
+from .charts import hbar_chart
+from .jobs import VERBS
+
+WINDOWS = {"5": 5, "15": 15, "60": 60, "360": 360}
+AUTO_REFRESH_SECONDS = 30
+
+
+def scope_of(request):
+    """The dashboard's workflow (None for all), the known workflows, the trend window."""
+    workflow = request.GET.get("workflow") or None
+    known = set(registry.names()) | set(Job.objects.values_list("workflow", flat=True).distinct())
+    if workflow and workflow not in known:
+        workflow = None
+    minutes = WINDOWS.get(request.GET.get("window", "15"), 15)
+    return workflow, sorted(known), minutes
+
+
+def dashboard(request, admin_site):
+    """The four questions (where, stuck, failing, costs) and the alerts, for one scope."""
+    require_view(request, "durable.view_job")
+    workflow, workflows, minutes = scope_of(request)
+    status = reports.status(window=datetime.timedelta(minutes=minutes), workflow=workflow)
+    overview = status["overview"]
+    sections = []
+    for name, rows in overview.by_workflow():
+        definition = registry.get(name) if name in registry else None
+        tiles = []
+        for row in rows:
+            if not row.count and not row.count_before:
+                continue
+            tiles.append({
+                "row": row,
+                "kind_label": row.kind.label if row.kind else "unknown state",
+                "url": jobs_url(admin_site, workflow=row.workflow, state=row.state),
+                "attention": row.kind is not None and row.kind.is_waiting_for_operator,
+            })
+        sections.append({
+            "workflow": name,
+            "version": definition.version if definition else None,
+            "registered": definition is not None,
+            "tiles": tiles,
+            "total": sum(r.count for r in rows),
+            "paused": next((p for p in status["paused"] if p.workflow == name), None),
+        })
+    failures = [
+        {"group": g,
+         "requeue_url": admin_url(admin_site, "durable_requeue_group", g.fingerprint),
+         "jobs_url": jobs_url(admin_site, failed="yes", workflow=g.workflow)}
+        for g in status["failures"]
+    ]
+    stuck = [{**row, "url": job_url(admin_site, row["id"])} for row in status["stuck"]]
+    costs = status["costs"]
+    chart = hbar_chart([(f"{r['workflow']}.{r['step']}", r["total"]) for r in costs[:10]])
+    ctx = context(
+        request, admin_site, "Durable dashboard", "dashboard",
+        status=status,
+        now=status["now"],
+        scope=workflow,
+        workflows=workflows,
+        window_minutes=minutes,
+        windows=list(WINDOWS.values()),
+        sections=sections,
+        alerts=[alert_link(admin_site, a) for a in status["alerts"]],
+        stuck=stuck,
+        stuck_total=reports.stuck_count(now=status["now"], workflow=workflow),
+        failures=failures,
+        failed_total=sum(g.count for g in status["failures"]),
+        costs=costs,
+        cost_total=sum((r["total"] for r in costs), Decimal(0)),
+        chart=chart,
+        refresh_seconds=AUTO_REFRESH_SECONDS,
+        can_requeue=request.user.has_perm("durable.requeue_job"),
+        can_pause=request.user.has_perm("durable.pause_workflow"),
+        pause_url=admin_url(admin_site, "durable_pause"),
+        stuck_url=jobs_url(admin_site, stuck="yes"),
+        failed_url=jobs_url(admin_site, failed="yes"),
+        human_url=jobs_url(admin_site, human="yes"),
+        approvals_url=tab_url(admin_site, "approvals"),
+        reconcile_url=admin_url(admin_site, "durable_reconcile"),
+        costs_url=admin_url(admin_site, "durable_costs"),
+        human_total=Job.objects.filter(reports.waiting_for_human_q(workflow)).count(),
+        unknown_total=reports.scoped(Outbox.objects.unknown(), workflow, "job__workflow").count(),
+        pending_approvals=reports.scoped(
+            Approval.objects.pending(), workflow, "job__workflow"
+        ).count(),
+    )
+    return TemplateResponse(request, "admin/durable/dashboard.html", ctx)
+
+
+def alert_link(admin_site, alert):
+    """An alert and the page where it is acted on."""
+    if alert.target == "job":
+        url = job_url(admin_site, alert.params["pk"])
+    elif alert.target == "failures":
+        url = admin_url(admin_site, "durable_dashboard") + "#failures"
+    elif alert.target == "approvals":
+        url = tab_url(admin_site, "approvals")
+    elif alert.target == "reconcile":
+        url = admin_url(admin_site, "durable_reconcile")
+    else:
+        url = ""
+    return {"alert": alert, "url": url}
+
+
+# Failure groups --------------------------------------------------------------------------
+
+
+def requeue_group(request, admin_site, fingerprint):
+    """Requeue every job failing for one cause, after a confirmation page."""
+    require_view(request, "durable.view_job")
+    back = admin_url(admin_site, "durable_dashboard") + "#failures"
+    require(request, "durable.requeue_job", "requeue jobs", back)
+    group = reports.failure_group(fingerprint)
+    if group is None:
+        messages.info(request, "No failed job has this cause any more; nothing to requeue.")
+        return HttpResponseRedirect(back)
+    scope = [
+        f"Workflow {group.workflow}, step {group.step}",
+        f"Error: {group.error_class or 'no error class'} — {group.message or '(no message)'}",
+        f"Jobs in {', '.join(sorted(group.states))}, failed between "
+        f"{group.first_seen:%Y-%m-%d %H:%M:%S} and {group.last_seen:%Y-%m-%d %H:%M:%S} UTC",
+    ]
+    return confirm_bulk(
+        request, admin_site, VERBS["requeue"], reports.jobs_in_failure_group(fingerprint),
+        scope=scope, back=back, title=f"Requeue {group.count} jobs failing for one cause",
+        example=group.example,
+    )
+
+
+# Pause / resume --------------------------------------------------------------------------
+
+
+def pause_workflow(request, admin_site):
+    """Pause or resume a workflow (POST), with a reason shown to everyone."""
+    back = back_to(request, admin_url(admin_site, "durable_dashboard"))
+    require(request, "durable.pause_workflow", "pause or resume workflows", back)
+    workflow = request.POST.get("workflow", "")
+    action = request.POST.get("action", "")
+    reason = form_reason(request)
+    if action not in ("pause", "resume"):
+        messages.error(request, "Choose pause or resume. Nothing was changed.")
+        return HttpResponseRedirect(back)
+    if not reason:
+        messages.error(request, f"Give a reason to {action} {workflow}; it is shown to everyone. "
+                                "Nothing was changed.")
+        return HttpResponseRedirect(back)
+    try:
+        if action == "pause":
+            services.pause(workflow, user=request.user, reason=reason)
+            messages.success(request, f"{workflow} is paused: workers stop claiming its jobs "
+                                      "(running steps finish).")
+        elif services.resume(workflow, user=request.user, reason=reason):
+            messages.success(request, f"{workflow} resumed: workers claim its jobs again.")
+        else:
+            messages.info(request, f"{workflow} was not paused; nothing changed.")
+    except DurableError as exc:
+        messages.error(request, f"{exc}. Nothing was changed.")
+    return HttpResponseRedirect(back)

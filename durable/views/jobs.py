@@ -1,0 +1,288 @@
+"""The job page, its verbs (requeue, retry now, cancel, send back) and replaying a step.
+
+The job page is ``JobAdmin.change_view``; the verbs are POSTs from it, each a call to its
+service with the user and a reason.
+"""
+
+from dataclasses import dataclass
+from decimal import Decimal
+
+from django.contrib import messages
+from django.contrib.admin.utils import quote, unquote
+from django.core.exceptions import PermissionDenied
+from django.http import Http404, HttpResponseRedirect
+from django.shortcuts import get_object_or_404
+from django.template.response import TemplateResponse
+
+from .. import locking, services
+from ..conf import durable_settings
+from ..exceptions import DurableError, OperatorError
+from ..models import Job, Pause, StepResult
+from ..states import CANCELLED, StateKind
+from ..workflows import registry
+from .base import admin_url, context, form_reason, job_url, require, show_json, url_or_blank
+
+
+@dataclass(frozen=True)
+class Verb:
+    """An operator verb as the console offers it: its service, permission and words."""
+
+    name: str
+    label: str
+    done: str
+    permission: str
+    service: object
+    bulk: object = None
+    help: str = ""
+
+
+VERBS = {
+    "requeue": Verb("requeue", "Requeue", "requeued", "durable.requeue_job", services.requeue,
+                    services.bulk_requeue, "Send it back along the retry edge with fresh attempts."),
+    "retry": Verb("retry", "Retry now", "is due now", "durable.retry_job", services.retry_now,
+                  services.bulk_retry_now, "Clear the backoff or timer so a worker runs it at once."),
+    "cancel": Verb("cancel", "Cancel", "cancelled", "durable.cancel_job", services.cancel,
+                   services.bulk_cancel, "Stop it for good; unsent actions are withdrawn."),
+    "send_back": Verb("send_back", "Send back", "sent back", "durable.send_back_job",
+                      services.send_back, None, "Return it to a state the table allows."),
+}
+
+
+# The job page ---------------------------------------------------------------------------
+
+
+def _lease(job, now):
+    if not job.lease_owner or job.lease_until is None:
+        return {"state": "none"}
+    live = job.lease_until >= now
+    return {"state": "live" if live else "expired", "owner": job.lease_owner,
+            "until": job.lease_until, "seconds": abs((job.lease_until - now).total_seconds())}
+
+
+def _event_details(data):
+    if not isinstance(data, dict):
+        return ""
+    parts = []
+    if data.get("via"):
+        parts.append(f"via {data['via']}")
+    if "attempt" in data:
+        parts.append(f"attempt {data['attempt']}")
+    if "ms" in data:
+        parts.append(f"{float(data['ms']):.0f} ms")
+    if data.get("cost") not in (None, "", "0", "0.000000"):
+        parts.append(f"cost {data['cost']}")
+    if "delay" in data:
+        parts.append(f"next try in {float(data['delay']):.1f} s")
+    if data.get("reason"):
+        parts.append(str(data["reason"]))
+    return " · ".join(parts)
+
+
+def timeline(job):
+    """Every event, memo, action and approval of ``job``, oldest first."""
+    entries = []
+    step_done = set()
+    for e in job.events.order_by("id"):
+        if e.kind == "step_done":
+            step_done.add(e.step)
+        entries.append({
+            "at": e.at, "order": (0, e.pk), "source": "event", "kind": e.kind,
+            "label": e.get_kind_display(), "from": e.from_state, "to": e.to_state,
+            "step": e.step, "actor": e.actor, "message": e.message,
+            "details": _event_details(e.data),
+        })
+    for m in job.steps.order_by("at"):
+        entries.append({
+            "at": m.at, "order": (1, m.pk), "source": "memo", "kind": "memo",
+            "label": "memo written", "step": m.step,
+            "details": f"attempt {m.attempt} · {m.duration.total_seconds() * 1000:.0f} ms"
+                       f" · cost {m.cost}",
+            "hidden_by_event": m.step in step_done,
+        })
+    for a in job.actions.order_by("id"):
+        entries.append({
+            "at": a.created, "order": (2, a.pk), "source": "action", "kind": "action",
+            "label": "action written", "step": a.kind,
+            "message": f"{a.operation} → {a.destination}",
+            "details": f"now {a.get_status_display()} · key {a.idempotency_key}",
+        })
+        if a.sent_at:
+            entries.append({
+                "at": a.sent_at, "order": (2, a.pk, 1), "source": "action", "kind": "action",
+                "label": "action sent", "step": a.kind,
+                "message": a.response_summary or a.last_error,
+                "details": f"attempt {a.attempts}" + (f" · remote id {a.remote_id}"
+                                                      if a.remote_id else ""),
+            })
+    for ap in job.approvals.select_related("decided_by").order_by("id"):
+        entries.append({
+            "at": ap.requested_at, "order": (3, ap.pk), "source": "approval", "kind": "approval",
+            "label": "approval requested", "step": ap.step, "message": ap.summary,
+            "details": f"expires {ap.expires_at:%Y-%m-%d %H:%M} UTC",
+        })
+        if ap.decided_at:
+            entries.append({
+                "at": ap.decided_at, "order": (3, ap.pk, 1), "source": "approval",
+                "kind": "approval", "label": f"approval {ap.get_status_display()}",
+                "step": ap.step, "actor": ap.decided_by.get_username() if ap.decided_by else "",
+                "message": ap.note,
+            })
+    entries = [e for e in entries if not e.get("hidden_by_event")]
+    entries.sort(key=lambda e: (e["at"], e["order"]))
+    return entries
+
+
+def table_rows(job, table):
+    """The workflow's transition table as rows, the job's current state marked."""
+    rows = []
+    for state, targets in table.edges.items():
+        notes = []
+        for st in table.steps:
+            if state == st.working and st.before in targets:
+                notes.append(f"→ {st.before} is the retry edge")
+            if state == st.failure and st.failure != st.human:
+                notes.append("an operator requeues")
+        kind = table.kinds.get(state)
+        rows.append({"state": state, "kind": kind.label if kind else "", "targets": targets,
+                     "current": state == job.state, "notes": "; ".join(notes),
+                     "terminal": kind == StateKind.TERMINAL})
+    return rows
+
+
+def _available_verbs(job, definition, user, lease):
+    if definition is None:
+        return []
+    kind = definition.table.kinds.get(job.state)
+    found = []
+    if kind == StateKind.FAILED:
+        found.append("requeue")
+    if kind is not None and kind.is_claimable and lease["state"] != "live":
+        found.append("retry")
+    if kind == StateKind.HUMAN:
+        found.append("send_back")
+    if kind not in (None, StateKind.TERMINAL):
+        found.append("cancel")
+    return [VERBS[v] for v in found if user.has_perm(VERBS[v].permission)]
+
+
+def job_detail(request, model_admin, object_id):
+    admin_site = model_admin.admin_site
+    job = get_object_or_404(Job, pk=unquote(object_id))
+    if not model_admin.has_view_permission(request, job):
+        raise PermissionDenied
+    user = request.user
+    now = locking.db_now()
+    definition = registry.get(job.workflow) if job.workflow in registry else None
+    kind = definition.table.kinds.get(job.state) if definition else None
+    lease = _lease(job, now)
+    can_replay = user.has_perm("durable.replay_step")
+    memos = []
+    for m in job.steps.order_by("at", "pk"):
+        step_def = definition.steps_by_name.get(m.step) if definition else None
+        memos.append({
+            "memo": m, "output": show_json(m.output, user),
+            "replay_url": admin_url(admin_site, "durable_job_replay", quote(job.pk), m.step)
+            if can_replay and step_def is not None and not step_def.action else "",
+        })
+    actions = [{"row": a, "payload": show_json(a.payload, user)} for a in job.actions.order_by("id")]
+    approvals = [{"row": a, "proposal": show_json(a.proposal, user),
+                  "url": url_or_blank(admin_site, "durable_approval", a.pk)}
+                 for a in job.approvals.select_related("decided_by").order_by("id")]
+    send_back_to = []
+    if definition and kind == StateKind.HUMAN:
+        send_back_to = [s for s in definition.table.edges[job.state] if s != CANCELLED]
+    ctx = context(
+        request, admin_site, f"Job {job.pk}", "jobs",
+        job=job, original=job, object_id=object_id, definition=definition,
+        kind=kind, now=now, lease=lease,
+        cost=sum((m["memo"].cost for m in memos), Decimal(0)),
+        timeline=timeline(job),
+        table=table_rows(job, definition.table) if definition else [],
+        memos=memos, actions=actions, approvals=approvals,
+        payload=show_json(job.payload, user),
+        result=show_json(job.result, user) if job.result is not None else None,
+        verbs=_available_verbs(job, definition, user, lease),
+        send_back_to=send_back_to,
+        act_urls={v: admin_url(admin_site, "durable_job_act", quote(job.pk), v) for v in VERBS},
+        jobs_url=admin_url(admin_site, "durable_job_changelist"),
+        workflow_paused=Pause.objects.filter(workflow=job.workflow).first(),
+        sees_payloads=user.has_perm("durable.view_payload"),
+        redact_keys=durable_settings.REDACT_KEYS,
+    )
+    return TemplateResponse(request, "admin/durable/job/detail.html", ctx)
+
+
+def job_action(request, model_admin, object_id, verb):
+    admin_site = model_admin.admin_site
+    v = VERBS.get(verb)
+    if v is None:
+        raise Http404(f"There is no verb {verb!r}")
+    job_id = unquote(object_id)
+    back = job_url(admin_site, job_id)
+    require(request, v.permission, f"{v.label.lower()} jobs", back)
+    reason = form_reason(request)
+    if not reason:
+        messages.error(request, f"{v.label}: give a reason; it is recorded in the job's history. "
+                                "Nothing was changed.")
+        return HttpResponseRedirect(back)
+    kwargs = {}
+    if verb == "send_back":
+        kwargs["to_state"] = request.POST.get("to_state") or None
+    try:
+        job = v.service(job_id, user=request.user, reason=reason, **kwargs)
+    except DurableError as exc:
+        messages.error(request, f"{v.label} refused: {exc}. Nothing was changed.")
+        if not Job.objects.filter(pk=job_id).exists():
+            back = admin_url(admin_site, "durable_job_changelist")
+    else:
+        messages.success(request, f"Job {job_id} {v.done}; it is now {job.state}.")
+    return HttpResponseRedirect(back)
+
+
+def replay(request, model_admin, object_id, step):
+    admin_site = model_admin.admin_site
+    job = get_object_or_404(Job, pk=unquote(object_id))
+    back = job_url(admin_site, job.pk)
+    require(request, "durable.replay_step", "replay steps", back)
+    user = request.user
+    memo = StepResult.objects.filter(job=job, step=step).first()
+    if memo is None:
+        raise Http404(f"Job {job.pk} has no memo for step {step!r}")
+    result = None
+    errors = []
+    if request.method == "POST" and request.POST.get("confirm"):
+        reason = form_reason(request)
+        if not reason:
+            errors.append("Give a reason to replace the memo; it is recorded in the history.")
+        else:
+            try:
+                services.replay_step(job.pk, step, user=user, reason=reason,
+                                     confirm=request.POST["confirm"])
+            except OperatorError as exc:
+                messages.error(request, f"Replay refused: {exc}")
+                return HttpResponseRedirect(request.path)
+            messages.success(request, f"The memo of {step} now holds the replayed output.")
+            return HttpResponseRedirect(back)
+    elif request.method == "POST":
+        try:
+            result = services.replay_step(job.pk, step, user=user, reason=form_reason(request))
+        except OperatorError as exc:
+            messages.error(request, f"Replay refused: {exc}")
+            return HttpResponseRedirect(back)
+    ctx = context(
+        request, admin_site, f"Replay {step} of job {job.pk}", "jobs",
+        job=job, memo=memo, step=step, result=result, errors=errors, back=back,
+        old=show_json(memo.output, user),
+        new=show_json(result.new_output, user) if result and not result.error else None,
+        input=show_json(result.input if result else _replay_input(job, step), user),
+        token=request.POST.get("confirm", "") if errors else (result.token if result else ""),
+    )
+    return TemplateResponse(request, "admin/durable/job/replay.html", ctx,
+                            status=400 if errors else 200)
+
+
+def _replay_input(job, step):
+    try:
+        return services.replay_input(job, step)
+    except DurableError as exc:
+        return f"(cannot be replayed: {exc})"

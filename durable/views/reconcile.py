@@ -1,0 +1,88 @@
+"""Reconciliation: actions whose outcome nobody knows, and the operator's decision on each.
+
+Each decision is a service of ``durable.reconcile`` bound to the row version the page
+showed; the service refuses it if the row moved meanwhile.
+"""
+
+from django.contrib import messages
+from django.http import Http404, HttpResponseRedirect
+from django.template.response import TemplateResponse
+
+from .. import locking, reconcile
+from ..exceptions import DurableError
+from ..models import Outbox, OutboxStatus
+from .base import (
+    admin_url,
+    context,
+    form_reason,
+    job_url,
+    require,
+    require_view,
+    show_json,
+    url_or_blank,
+)
+
+DECISIONS = {
+    # decision: (service in durable.reconcile, label, what it does)
+    "lookup": (reconcile.lookup_again, "Look up again", "Ask the destination once more."),
+    "happened": (reconcile.mark_happened, "Mark happened", "It did happen: record its remote id."),
+    "not_happened": (reconcile.mark_not_happened, "Mark not happened — dispatch again",
+                     "It did not happen: send it again with the same key."),
+    "cancel": (reconcile.cancel_action, "Cancel", "Withdraw it; the job goes to its failed state."),
+}
+
+
+def reconciliation(request, admin_site):
+    require_view(request, "durable.view_outbox")
+    now = locking.db_now()
+    rows = (
+        Outbox.objects.filter(status__in=[OutboxStatus.UNKNOWN, OutboxStatus.ATTEMPTED])
+        .select_related("job").order_by("updated", "pk")
+    )
+    user = request.user
+    may_decide = user.has_perm("durable.reconcile_action")
+    items = []
+    for row in rows:
+        working = row.lease_until is not None and row.lease_until >= now
+        if row.status == OutboxStatus.ATTEMPTED and working:
+            continue  # the dispatcher is sending it right now; not an operator's question
+        items.append({
+            "row": row, "payload": show_json(row.payload, user, limit=600),
+            "job_url": job_url(admin_site, row.job_id),
+            "stale_attempt": row.status == OutboxStatus.ATTEMPTED,
+            "forms": [
+                {"decision": d, "label": label, "help": help_,
+                 "url": admin_url(admin_site, "durable_reconcile_decide", row.pk, d)}
+                for d, (_, label, help_) in DECISIONS.items()
+            ] if may_decide else [],
+        })
+    ctx = context(
+        request, admin_site, "Reconciliation: actions with an unknown result", "reconcile",
+        items=items, now=now, may_decide=may_decide,
+        settled_url=url_or_blank(admin_site, "durable_outbox_changelist"),
+    )
+    return TemplateResponse(request, "admin/durable/reconcile.html", ctx)
+
+
+def reconcile_decide(request, admin_site, pk, decision):
+    back = admin_url(admin_site, "durable_reconcile")
+    if decision not in DECISIONS:
+        raise Http404(f"There is no decision {decision!r}")
+    require(request, "durable.reconcile_action", "reconcile actions", back)
+    service, label, _ = DECISIONS[decision]
+    reason = form_reason(request)
+    version = request.POST.get("version", "")
+    if not reason:
+        messages.error(request, f"{label}: give a reason; it is recorded. Nothing was changed.")
+        return HttpResponseRedirect(back)
+    try:
+        if decision == "happened":
+            service(pk, request.POST.get("remote_id", ""), version=version, user=request.user,
+                    reason=reason)
+        else:
+            service(pk, version=version, user=request.user, reason=reason)
+    except DurableError as exc:
+        messages.error(request, f"{label} refused: {exc}")
+    else:
+        messages.success(request, f"Action {pk}: {label.lower()} recorded.")
+    return HttpResponseRedirect(back)
