@@ -180,10 +180,12 @@ def url_or_blank(admin_site, name, *args):
 
 
 def job_url(admin_site, pk):
+    """The job page of ``pk`` in this site."""
     return admin_url(admin_site, "durable_job_change", quote(pk))
 
 
 def jobs_url(admin_site, **filters):
+    """The job list of this site, filtered by ``filters`` (the list's own query parameters)."""
     return admin_url(admin_site, "durable_job_changelist", query=urlencode(filters))
 
 

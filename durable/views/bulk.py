@@ -19,6 +19,7 @@ SAMPLE_KEYS = 20
 
 
 def bulk_action(request, model_admin, verb):
+    """A bulk verb on the job list's current filter (or the ``ids`` posted), after confirming."""
     admin_site = model_admin.admin_site
     v = VERBS.get(verb)
     if v is None or v.bulk is None:
@@ -107,6 +108,7 @@ def confirm_bulk(request, admin_site, verb, queryset, *, scope, back, title, ids
 
 
 def report_bulk(request, verb, result):
+    """Messages for a bulk verb's result: how many changed, which were refused and why."""
     if result.done:
         messages.success(request, f"{verb.label}: {len(result.done)} job"
                                   f"{'s' if len(result.done) != 1 else ''} {verb.done}.")

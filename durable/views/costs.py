@@ -13,6 +13,8 @@ from .charts import OTHER, columns_chart
 
 
 class CostForm(forms.Form):
+    """The report's range (UTC days, inclusive), grouping and workflow; at most a year."""
+
     start = forms.DateField(label="From", widget=forms.DateInput(attrs={"type": "date"}))
     end = forms.DateField(label="To (inclusive)", widget=forms.DateInput(attrs={"type": "date"}))
     by = forms.ChoiceField(label="Per", choices=[("step", "step"), ("workflow", "workflow")])
@@ -36,6 +38,7 @@ class CostForm(forms.Form):
 
 
 def cost_report(request, admin_site):
+    """Memo costs per day over the chosen range, as a stacked chart and a table."""
     require_view(request, "durable.view_stepresult", "durable.view_job")
     today = locking.db_now().astimezone(datetime.UTC).date()
     defaults = {"start": today - datetime.timedelta(days=13), "end": today, "by": "step",

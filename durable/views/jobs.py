@@ -166,6 +166,7 @@ def _available_verbs(job, definition, user, lease):
 
 
 def job_detail(request, model_admin, object_id):
+    """One job: its state in the table, lease, timeline, memos, actions, approvals and verbs."""
     admin_site = model_admin.admin_site
     job = get_object_or_404(Job, pk=unquote(object_id))
     if not model_admin.has_view_permission(request, job):
@@ -213,6 +214,7 @@ def job_detail(request, model_admin, object_id):
 
 
 def job_action(request, model_admin, object_id, verb):
+    """Run one verb on one job (POST), with the reason given; back to the job page."""
     admin_site = model_admin.admin_site
     v = VERBS.get(verb)
     if v is None:
@@ -240,6 +242,7 @@ def job_action(request, model_admin, object_id, verb):
 
 
 def replay(request, model_admin, object_id, step):
+    """Replay a step beside its memo (POST previews), then replace the memo (POST confirms)."""
     admin_site = model_admin.admin_site
     job = get_object_or_404(Job, pk=unquote(object_id))
     back = job_url(admin_site, job.pk)

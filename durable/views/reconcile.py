@@ -33,6 +33,7 @@ DECISIONS = {
 
 
 def reconciliation(request, admin_site):
+    """Actions with an unknown result, or attempted with no outcome and no live lease."""
     require_view(request, "durable.view_outbox")
     now = locking.db_now()
     rows = (
@@ -65,6 +66,7 @@ def reconciliation(request, admin_site):
 
 
 def reconcile_decide(request, admin_site, pk, decision):
+    """Record one decision on one action (POST), bound to the row version the page showed."""
     back = admin_url(admin_site, "durable_reconcile")
     if decision not in DECISIONS:
         raise Http404(f"There is no decision {decision!r}")
