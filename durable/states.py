@@ -110,6 +110,21 @@ class TransitionTable:
                 return s
         return None
 
+    def notes(self, state):
+        """The edges of ``state`` that mean more than a move, as ``(meaning, target)`` pairs.
+
+        ``("retry", before)``: a working state's way back to where its step starts.
+        ``("requeue", before)``: a failed state's way back, taken when an operator requeues.
+        """
+        targets = self.edges.get(state, ())
+        found = []
+        for st in self.steps:
+            if state == st.working and st.before in targets:
+                found.append(("retry", st.before))
+            if state == st.failure and st.failure != st.human:
+                found.append(("requeue", st.before))
+        return found
+
     def validate(self, name="workflow"):
         """Raise ImproperlyConfigured naming the first bad edge or state."""
 
@@ -163,12 +178,8 @@ class TransitionTable:
         for state, targets in self.edges.items():
             kind = self.kinds[state]
             right = ", ".join(targets) if targets else f"({kind.label})"
-            notes = []
-            for st in self.steps:
-                if state == st.working and st.before in targets:
-                    notes.append(f"-> {st.before} = retry")
-                if state == st.failure and st.failure != st.human:
-                    notes.append("an operator requeues")
+            notes = [f"-> {target} = retry" if meaning == "retry" else "an operator requeues"
+                     for meaning, target in self.notes(state)]
             note = f"    ({'; '.join(notes)})" if notes else ""
             lines.append(f"{state.ljust(width)} -> {right}{note}")
         if CANCELLED in self.kinds:

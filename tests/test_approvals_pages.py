@@ -276,6 +276,8 @@ def test_the_approval_pages_are_console_pages_with_its_tabs_and_banners(propose,
         assert 'class="durable-tabs"' in html
         assert f'<a href="{reverse(QUEUE)}" class="current" aria-current="page">Approvals</a>' in html
         assert "refund is paused." in html and "ledger migration" in html
+    requested = approval.requested_at.astimezone(datetime.UTC)
+    assert f"{requested:%Y-%m-%d %H:%M} UTC" in html  # the proposal page, like every console page
 
 
 def test_the_decision_is_offered_only_in_the_steps_approval_state_as_the_table_names_it(

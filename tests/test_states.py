@@ -146,3 +146,10 @@ def test_states_for_names_a_steps_states_as_the_table_declares_them():
     assert states.timer == "waiting_nap" and states.working == "nap_running"
     assert table.step_of(states.timer) is states
     assert table.states_for("no_such_step") is None
+
+
+def test_notes_name_the_retry_and_requeue_edges():
+    table = registry.get("test_pipeline").table
+    assert table.notes("fetching") == [("retry", "pending")]
+    assert table.notes("failed_deliver") == [("requeue", "verified")]
+    assert table.notes("needs_human") == [] and table.notes("delivered") == []

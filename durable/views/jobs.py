@@ -136,12 +136,8 @@ def table_rows(job, table):
     """The workflow's transition table as rows, the job's current state marked."""
     rows = []
     for state, targets in table.edges.items():
-        notes = []
-        for st in table.steps:
-            if state == st.working and st.before in targets:
-                notes.append(f"→ {st.before} is the retry edge")
-            if state == st.failure and st.failure != st.human:
-                notes.append("an operator requeues")
+        notes = [f"→ {target} is the retry edge" if meaning == "retry" else "an operator requeues"
+                 for meaning, target in table.notes(state)]
         kind = table.kinds.get(state)
         rows.append({"state": state, "kind": kind.label if kind else "", "targets": targets,
                      "current": state == job.state, "notes": "; ".join(notes),
