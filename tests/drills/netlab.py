@@ -146,19 +146,28 @@ class NetLab:
     def _network(self):
         for name in ("db", "svc", *self.hosts):
             self._namespace(name)
-        for hub, net in (("db", DB_NET), ("svc", SVC_NET)):
+        for number, (hub, net) in enumerate((("db", DB_NET), ("svc", SVC_NET)), start=1):
             bridge = f"br{hub}"
-            _ip("-n", self.ns(hub), "link", "add", bridge, "type", "bridge")
+            bridge_mac = f"02:00:00:{number:02x}:00:01"
+            _ip("-n", self.ns(hub), "link", "add", bridge, "address", bridge_mac, "type", "bridge")
             _ip("-n", self.ns(hub), "addr", "add", f"{net}.1/24", "dev", bridge)
             _ip("-n", self.ns(hub), "link", "set", bridge, "up")
             for host in self.hosts:
                 inner, outer = self._veth(host, hub, "h"), self._veth(host, hub, "b")
-                _ip("link", "add", inner, "netns", self.ns(host), "type", "veth",
-                    "peer", "name", outer, "netns", self.ns(hub))
+                host_mac = f"02:00:00:{number:02x}:{int(host[1:]):02x}:02"
+                _ip("link", "add", inner, "netns", self.ns(host), "address", host_mac, "type",
+                    "veth", "peer", "name", outer, "netns", self.ns(hub))
                 _ip("-n", self.ns(host), "addr", "add", f"{self.address(host, hub)}/24", "dev", inner)
                 _ip("-n", self.ns(host), "link", "set", inner, "up")
                 _ip("-n", self.ns(hub), "link", "set", outer, "master", bridge)
                 _ip("-n", self.ns(hub), "link", "set", outer, "up")
+                # Fixed neighbours on both sides: during a cut no ARP fails and reports
+                # "no route to host" at once; packets just vanish, and the ones TCP
+                # retransmits arrive after the heal, as across a real partition.
+                _ip("-n", self.ns(host), "neigh", "replace", f"{net}.1", "lladdr", bridge_mac,
+                    "dev", inner, "nud", "permanent")
+                _ip("-n", self.ns(hub), "neigh", "replace", self.address(host, hub), "lladdr",
+                    host_mac, "dev", bridge, "nud", "permanent")
 
     def _start_postgres(self):
         bindir = postgres_bindir()

@@ -40,10 +40,10 @@ from . import netlab
 ROOT = Path(__file__).resolve().parent.parent.parent
 
 LEASE = 3.0
-# Longer than the worker cut below, so that a commit caught in flight by that cut is
-# retransmitted when the link comes back: the late write the fence must refuse.
-DEAD_AFTER = 10.0
-CONNECT_TIMEOUT = 2
+# DB_DEAD_AFTER and DB_CONNECT_TIMEOUT keep their defaults (20 s, 10 s): longer than the
+# worker cut, so a commit caught in flight by that cut is retransmitted when the link
+# comes back, the late write the fence must refuse. Bounding the time a step runs on a
+# lease nobody renewed is the heartbeat's deadline, whatever the TCP timeouts.
 # The dispatcher's read timeout and the receiver's slowness for the cut send: the reply
 # comes back while the dispatcher's database link is already down.
 READ_TIMEOUT = 3.0
@@ -58,6 +58,7 @@ SERVER_SETTINGS = {"idle_in_transaction_session_timeout": "2s"}
 
 STARTED = re.compile(r"started (?:worker|dispatcher)\d+ pid=(\d+)")
 OWNER_PID = re.compile(r":(\d+):(?:worker|dispatcher)\d+$")
+WORKER_PID = re.compile(r":(\d+):worker\d+$")
 
 
 @dataclass(frozen=True)
@@ -73,9 +74,9 @@ class Size:
 
 
 SIZES = {
-    "small": Size("small", rounds=1, jobs=12, hold_jobs=2, tickets=6, receiver_jobs=12,
+    "small": Size("small", rounds=1, jobs=12, hold_jobs=1, tickets=6, receiver_jobs=12,
                   processes=2, settle_timeout=90),
-    "release": Size("release", rounds=3, jobs=30, hold_jobs=2, tickets=20, receiver_jobs=60,
+    "release": Size("release", rounds=3, jobs=16, hold_jobs=1, tickets=20, receiver_jobs=60,
                     processes=2, settle_timeout=300),
 }
 
@@ -197,7 +198,6 @@ def _worker_cut(lab, net, hosts, size, round_):
     """Cut a host whose worker is inside a step longer than the lease; heal after the lease."""
     keys = lab.submit(size.hold_jobs, prefix=f"r{round_}-hold", workflow="drill_hold",
                       hold={"step": "b", "seconds": LEASE * 3, "attempt": 1})
-    keys += lab.submit(size.jobs, prefix=f"r{round_}-work", work=WORK)
     preferred = net.hosts[round_ % len(net.hosts)]
 
     def holders_in_step_b():
@@ -212,15 +212,19 @@ def _worker_cut(lab, net, hosts, size, round_):
     inside = _wait(holders_in_step_b, 60)
     if not inside:
         raise RuntimeError("no host reached the long step b")
-    time.sleep(0.3)
     inside = holders_in_step_b()
-    # Best: a host with one worker in the long step and the other in short ones, so the
-    # cut catches both a step the heartbeat abandons and a commit in flight.
+    # Best: a host with one worker in the long step and the other in short ones (the
+    # short jobs come now, so that worker is free for them), so the cut catches both a
+    # step the heartbeat abandons and a commit in flight.
     host = min(inside, key=lambda h: (inside[h] != 1, h != preferred, h))
+    keys += lab.submit(size.jobs, prefix=f"r{round_}-work", work=WORK)
+    _wait(lambda: any(p[1].startswith(f"r{round_}-work") and int(p[4]) in hosts.pids(host)
+                      for p in _exec_lines(lab.exec_log)), 10, 0.02)
+    time.sleep(WORK / 2)
     cut = _cut(net, hosts, "worker host", host, None)
     time.sleep(LEASE + 0.5)
     cut.after_lease_marker = _last_event_id()
-    time.sleep(1.5)  # cut for the lease plus two seconds, shorter than DEAD_AFTER
+    time.sleep(1.5)  # cut for the lease plus two seconds, shorter than DB_DEAD_AFTER
     net.heal(host)
     return cut, keys
 
@@ -282,7 +286,7 @@ def _exec_lines(path):
 
 
 def _late_commits(cut):
-    """Events the cut host's processes committed for its jobs under the leases the cut broke.
+    """Events the cut host's workers committed for its jobs under the leases the cut broke.
 
     After the heal a process of the host may claim one of those jobs again: what it
     writes after that new claim is its own. Anything it writes for the job before
@@ -298,9 +302,9 @@ def _late_commits(cut):
     claimed_again = set()
     for ev in JobEvent.objects.filter(id__gt=cut.after_lease_marker, job_id__in=cut.held).order_by(
             "id").values("id", "job_id", "kind", "actor"):
-        m = OWNER_PID.search(ev["actor"] or "")
+        m = WORKER_PID.search(ev["actor"] or "")
         if not m or int(m.group(1)) not in cut.pids:
-            continue
+            continue  # a dispatcher's writes are fenced by the outbox row's own lease
         if ev["kind"] in CLAIM_KINDS:
             claimed_again.add((ev["job_id"], ev["actor"]))
         elif (ev["job_id"], ev["actor"]) not in claimed_again:
@@ -321,7 +325,6 @@ def partition_drill(lab, net, size):
                                prefix=net.exec_prefix("svc")).start()
     env = {
         "DURABLE_TEST_POSTGRES_URL": net.database_url(),
-        "DURABLE_DB_DEAD_AFTER": DEAD_AFTER, "DURABLE_DB_CONNECT_TIMEOUT": CONNECT_TIMEOUT,
         "DURABLE_TEST_RECEIVER_URL": receiver.url, "DURABLE_TEST_RECEIVER_IDEMPOTENT": "0",
         "DURABLE_TEST_RECEIVER_LOOKUP": "1", "DURABLE_TEST_RECEIVER_READ_TIMEOUT": READ_TIMEOUT,
     }
@@ -336,6 +339,8 @@ def partition_drill(lab, net, size):
             cuts.append(cut)
             cut, _ = _receiver_cut(lab, net, hosts, size, round_, exclude={cut.host})
             cuts.append(cut)
+            # Each round starts from quiet hosts, so its times measure that round's cuts.
+            _wait(lambda: lab.unsettled() == 0, size.settle_timeout, 0.2)
         settled = _wait(lambda: lab.unsettled() == 0, size.settle_timeout, 0.2)
         hosts.stop()
         hosts = None
@@ -408,6 +413,8 @@ def problems(row):
         out.append("the runs did not finish after the cuts healed")
     if extra.get("late_commits_after_lease"):
         out.append(f"{extra['late_commits_after_lease']} commits after the cut host's leases passed")
+    if not extra.get("late_writes_refused"):
+        out.append("no late write of a cut host reached the database: the fence was not exercised")
     if not extra.get("steps_abandoned"):
         out.append("no step was abandoned: the heartbeat deadline was not exercised")
     if extra.get("worker_cut_to_finished_max") is None:
