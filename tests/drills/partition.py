@@ -82,13 +82,9 @@ SIZES = {
 
 
 def _wait(predicate, timeout, interval=0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    return None
+    from .drills import _wait as wait  # after django.setup(): drills imports the models
+
+    return wait(predicate, timeout, interval)
 
 
 class Hosts:
@@ -209,8 +205,7 @@ def _worker_cut(lab, net, hosts, size, round_):
                         inside[host] = inside.get(host, 0) + 1
         return inside
 
-    inside = _wait(holders_in_step_b, 60)
-    if not inside:
+    if not _wait(holders_in_step_b, 60):
         raise RuntimeError("no host reached the long step b")
     inside = holders_in_step_b()
     # Best: a host with one worker in the long step and the other in short ones (the
@@ -241,9 +236,9 @@ def _dispatcher_cut(lab, net, hosts, receiver, size, round_):
     for key in keys:
         durable.submit("drill_ticket", key, {"customer": key})
     lab.submitted.extend(keys)
-    applied = _wait(lambda: receiver.actions[before:] or None, 60, 0.01)
-    if not applied:
+    if not _wait(lambda: len(receiver.actions) > before, 60, 0.01):
         raise RuntimeError("the receiver applied no action")
+    applied = receiver.actions[before:]
     row = Outbox.objects.filter(idempotency_key=applied[0]["key"]).values(
         "job_id", "lease_owner").first()
     host = hosts.host_of(row["lease_owner"]) if row else None
