@@ -3,6 +3,7 @@
 The public API. Importing it loads no models, so it is safe in settings and app modules.
 """
 
+from .cron import Schedule
 from .exceptions import (
     DurableError,
     IdempotencyConflict,
@@ -30,6 +31,7 @@ __all__ = [
     "PermanentError",
     "Retry",
     "RetryableError",
+    "Schedule",
     "StepTimeout",
     "UnknownWorkflow",
     "Wait",

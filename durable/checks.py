@@ -157,3 +157,32 @@ def check_sqlite_filesystem(app_configs, databases=None, **kwargs):
         hint="Keep SQLite on a local disk, or use PostgreSQL for workers on several machines.",
         id="durable.W012",
     )]
+
+
+@checks.register()
+def check_schedules(app_configs, **kwargs):
+    """A schedule that cannot fire is an error: runworkers refuses to start with it."""
+    from django.core.exceptions import ImproperlyConfigured
+    from django.utils.module_loading import import_string
+
+    from .schedules import declared
+
+    try:
+        schedules = declared()
+    except ImproperlyConfigured as exc:
+        return [checks.Error(str(exc), hint="Fix the declaration; the error names it.",
+                             id="durable.E020")]
+    problems = []
+    for schedule in schedules.values():
+        if not schedule.task:
+            continue
+        try:
+            import_string(schedule.task)
+        except ImportError as exc:
+            problems.append(checks.Error(
+                f"Schedule {schedule.name!r} runs the task {schedule.task!r}, which cannot be"
+                f" imported: {exc}",
+                hint="Give the task's dotted path, such as 'myapp.tasks.send_report'.",
+                obj=schedule.name, id="durable.E021",
+            ))
+    return problems

@@ -73,6 +73,9 @@ DEFAULTS = {
     # output: {"gpt-4o-mini": {"input": "0.15", "output": "0.60"}}. A reply that
     # carries the provider's own cost (usage.cost) is priced by that instead.
     "MODEL_PRICES": {},
+    # Schedules a project declares for workflows or @task functions it does not own:
+    # {"nightly": {"WORKFLOW": "report", "CRON": "0 3 * * *", "TIMEZONE": "Europe/Berlin"}}.
+    "SCHEDULES": {},
     # Fault injection for drills: the name of a fault point where the process SIGKILLs itself.
     "FAULT_POINT": None,
 }

@@ -579,6 +579,43 @@ def alerts(*, now=None, workflow=None):
             "Open reconciliation: look each one up again, or record what happened.",
             "reconcile", {}, unknown,
         ))
+    found += schedule_alerts(now)
+    return found
+
+
+def schedule_alerts(now):
+    """A schedule whose last run failed, or that has not fired when it was due."""
+    from django.core.exceptions import ImproperlyConfigured
+
+    from .schedules import overview
+
+    try:
+        rows = overview(now)
+    except ImproperlyConfigured as exc:
+        return [Alert("schedule_invalid", "error", "A schedule is declared wrongly", str(exc),
+                      "Fix the declaration; manage.py check names it.", "schedules", {}, 1)]
+    found = []
+    failed = [r for r in rows if r["last_run"] and r["last_run"]["outcome"] == "failed"]
+    if failed:
+        found.append(Alert(
+            "schedule_failed", "error",
+            f"{len(failed)} schedule{'s' if len(failed) != 1 else ''} whose last run failed",
+            "; ".join(f"{r['name']}: {r['last_run']['job']} is {r['last_run']['state']}"
+                      for r in failed[:5]),
+            "Open the failed run, fix the cause and requeue it; the next tick runs anyway.",
+            "schedules", {}, len(failed),
+        ))
+    late = [r for r in rows if r["late"] or (r["declared"] and not r["seen"])]
+    if late:
+        found.append(Alert(
+            "schedule_late", "error",
+            f"{len(late)} schedule{'s' if len(late) != 1 else ''} not fired when due",
+            "; ".join(f"{r['name']} was due at {r['next_tick']:%Y-%m-%d %H:%M:%S} UTC"
+                      if r["seen"] else f"{r['name']} has never been seen by a worker"
+                      for r in late[:5]),
+            "Workers fire schedules: check that runworkers is running (not only --burst).",
+            "schedules", {}, len(late),
+        ))
     return found
 
 

@@ -568,3 +568,86 @@ def _roll_up_costs(job_ids):
         )
         total += cost
     return total
+
+
+# Schedules -----------------------------------------------------------------------------
+
+
+def _schedule_verb(name, user, reason, permission, verb):
+    """The declared schedule and its locked row, after the permission and reason checks."""
+    from .models import ScheduleState
+    from .schedules import declared, sync
+
+    if user is not None and not isinstance(user, str) and not (
+            user.is_active and user.has_perm(permission)):
+        raise OperatorError(f"{user.get_username()} may not {verb} schedules (permission"
+                            f" '{permission}' is missing); nothing changed")
+    reason = str(reason or "").strip()
+    if not reason:
+        raise OperatorError(f"Say why you {verb} the schedule; the reason is recorded")
+    if "\x00" in reason:
+        raise OperatorError("The reason contains a NUL character; nothing changed")
+    schedule = declared().get(name)
+    if schedule is None:
+        raise OperatorError(f"There is no schedule {name!r}")
+    if not ScheduleState.objects.filter(pk=name).exists():
+        sync({name: schedule})
+    return schedule, ScheduleState.objects.select_for_update().get(pk=name), reason
+
+
+def pause_schedule(name, *, user=None, reason=""):
+    """Stop a schedule firing; its ticks until resume are not run."""
+    from .models import ScheduleEvent, ScheduleEventKind
+
+    with transaction.atomic():
+        schedule, row, reason = _schedule_verb(name, user, reason, "durable.pause_schedule", "pause")
+        if row.paused_at is not None:
+            raise OperatorError(f"Schedule {name} is already paused (by {row.paused_by or 'someone'})")
+        row.paused_at, row.paused_by, row.pause_reason = locking.db_now(), audit.actor(user), reason
+        row.save(update_fields=["paused_at", "paused_by", "pause_reason"])
+        ScheduleEvent.objects.create(schedule_id=name, kind=ScheduleEventKind.PAUSED,
+                                     actor=audit.actor(user), message=reason)
+        audit.admin_log(user, row, f"paused schedule {name}. {reason}")
+        return row
+
+
+def resume_schedule(name, *, user=None, reason=""):
+    """Let a paused schedule fire again from its next tick; ticks while paused are not run."""
+    from .models import ScheduleEvent, ScheduleEventKind
+
+    with transaction.atomic():
+        schedule, row, reason = _schedule_verb(name, user, reason, "durable.pause_schedule", "resume")
+        if row.paused_at is None:
+            raise OperatorError(f"Schedule {name} is not paused")
+        now = locking.db_now()
+        passed = len(schedule.ticks(max(row.last_tick or row.paused_at, row.paused_at), now))
+        row.paused_at, row.paused_by, row.pause_reason = None, "", ""
+        row.last_tick, row.queued = now, []
+        row.next_tick = row.due_at = schedule.next_tick(now)
+        row.save(update_fields=["paused_at", "paused_by", "pause_reason", "last_tick", "queued",
+                                "next_tick", "due_at"])
+        ScheduleEvent.objects.create(
+            schedule_id=name, kind=ScheduleEventKind.RESUMED, actor=audit.actor(user),
+            data={"ticks_while_paused": passed},
+            message=f"{reason} ({passed} tick{'s' if passed != 1 else ''} passed while paused,"
+                    " not run)")
+        audit.admin_log(user, row, f"resumed schedule {name}. {reason}")
+        return row
+
+
+def run_schedule_now(name, *, user=None, reason=""):
+    """Submit one run of a schedule at once, outside its ticks; returns the job's key."""
+    from .models import ScheduleEvent, ScheduleEventKind
+    from .schedules import submit_run
+
+    with transaction.atomic():
+        schedule, row, reason = _schedule_verb(name, user, reason, "durable.run_schedule", "run")
+        now = locking.db_now()
+        key = f"schedule:{name}:now:{now:%Y-%m-%dT%H:%M:%S.%f}Z"
+        job = submit_run(schedule, key)
+        row.last_job = job
+        row.save(update_fields=["last_job"])
+        ScheduleEvent.objects.create(schedule_id=name, kind=ScheduleEventKind.RUN_NOW, job=job,
+                                     actor=audit.actor(user), message=reason)
+        audit.admin_log(user, row, f"ran schedule {name} now ({job}). {reason}")
+        return job

@@ -21,7 +21,7 @@ except ImportError:  # Windows: every idle worker listens
 from django.db import connection, connections
 from django.db.utils import DatabaseError, InterfaceError
 
-from . import faults, locking
+from . import faults, locking, schedules
 from .conf import bound_database_connections, durable_settings
 from .runner import Runner
 
@@ -382,6 +382,8 @@ class Worker(Drains):
                              self.queues)
         self.waiter = Waiter(poll_interval or durable_settings.POLL_INTERVAL, turns=listen_turns)
         self.steps_run = 0
+        # Every worker may fire schedules (one job per tick whoever fires); a burst drains.
+        self.firer = None if burst else schedules.Firer()
 
     def stop(self):
         """Stop claiming; the current step finishes and the loop exits. Idempotent."""
@@ -399,6 +401,8 @@ class Worker(Drains):
             while not self._stopping:
                 try:
                     keep_connections_healthy()
+                    if self.firer is not None:
+                        self.firer.maybe_fire()
                     started = self.runner.claim(self.workflows, self.queues)
                     if started is None:
                         if self.burst:

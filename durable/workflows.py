@@ -117,6 +117,8 @@ class Workflow:
     version: int = 1
     # Optional hand-declared table {state: [targets]}; derived from the steps when None.
     transitions: dict | None = None
+    # Optional durable.Schedule (or a list of them): submit this workflow on its ticks.
+    schedule = None
 
     steps: list[Step]
     table: states.TransitionTable

@@ -5,6 +5,7 @@ by tests inherit the environment and set DURABLE_TEST_WORKER=1, which points the
 the test database the pytest process created.
 """
 
+import json
 import os
 import tempfile
 
@@ -52,6 +53,8 @@ DURABLE = {
     "SHUTDOWN_GRACE": 10.0,
     "DB_CONNECT_TIMEOUT": float(os.environ.get("DURABLE_DB_CONNECT_TIMEOUT", 10)),
     "DB_DEAD_AFTER": float(os.environ.get("DURABLE_DB_DEAD_AFTER", 20)),
+    # The schedule drills hand their schedules to the worker processes they start.
+    "SCHEDULES": json.loads(os.environ.get("DURABLE_TEST_SCHEDULES", "{}")),
 }
 
 LOGGING = {

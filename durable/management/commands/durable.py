@@ -13,7 +13,7 @@ from durable.workflows import registry
 
 class Command(BaseCommand):
     help = ("Inspect and operate durable: status [--check] | graph WORKFLOW | "
-            "requeue|cancel|retry JOB... | purge")
+            "requeue|cancel|retry JOB... | purge | schedules [pause|resume|run NAME]")
 
     def add_arguments(self, parser):
         sub = parser.add_subparsers(dest="verb", required=True)
@@ -26,6 +26,7 @@ class Command(BaseCommand):
             p.add_argument("--user", default="cli", help="Who is acting (recorded).")
         add_purge_arguments(sub)
         add_status_arguments(sub)
+        add_schedules_arguments(sub)
 
     def handle(self, *args, verb, **options):
         return getattr(self, f"do_{verb}")(**options)
@@ -95,6 +96,77 @@ class Command(BaseCommand):
         if check and status["alerts"]:
             n = len(status["alerts"])
             raise CommandError(f"{n} alert{'s' if n != 1 else ''} firing", returncode=1)
+
+    def do_schedules(self, action, name, reason, user, as_json, **options):
+        from django.core.exceptions import ImproperlyConfigured
+
+        from durable import schedules
+
+        if action != "list":
+            if not name:
+                raise CommandError(f"schedules {action} needs the schedule's name")
+            verb = {"pause": services.pause_schedule, "resume": services.resume_schedule,
+                    "run": services.run_schedule_now}[action]
+            try:
+                done = verb(name, user=user, reason=reason)
+            except (DurableError, ImproperlyConfigured) as exc:
+                raise CommandError(str(exc)) from None
+            past = {"pause": "paused", "resume": "resumed", "run": "submitted"}[action]
+            self.stdout.write(f"{name}: {past}" + (f" {done}" if action == "run" else ""))
+            return
+        try:
+            rows = schedules.overview()
+        except ImproperlyConfigured as exc:
+            raise CommandError(str(exc)) from None
+        if as_json:
+            rows = [{**r, "last_decision": _decision(r["last_decision"])} for r in rows]
+            self.stdout.write(json.dumps(rows, cls=DjangoJSONEncoder, indent=2))
+            return
+        self.stdout.write("\n".join(schedule_lines(rows)))
+
+
+def _decision(event):
+    if event is None:
+        return None
+    return {"kind": event.kind, "at": event.at, "tick": event.tick, "job": event.job,
+            "actor": event.actor, "message": event.message}
+
+
+def _when(moment):
+    return f"{moment:%Y-%m-%d %H:%M:%S}" if moment else "-"
+
+
+def schedule_lines(rows):
+    """Each schedule as a block: what it runs, when, its last run and its last decision."""
+    if not rows:
+        return ["No schedules are declared (Workflow.schedule or DURABLE['SCHEDULES'])."]
+    out = ["Schedules (times UTC, database clock)"]
+    for r in rows:
+        state = "PAUSED" if r["paused"] else ("LATE" if r["late"] else "")
+        out += ["", f"{r['name']}  -> {r['target']}  {state}".rstrip(),
+                f"  {r['words']}   [{r['expression']}; catch-up {r['catch_up'] or '-'},"
+                f" overlap {r['overlap'] or '-'}]"]
+        out.append(f"  next tick  {_when(r['next_tick'])}")
+        run = r["last_run"]
+        out.append(f"  last run   {run['job']} ({run['outcome']}: {run['state']})" if run
+                   else "  last run   none yet")
+        out.append(f"  missed     {r['missed']}" + (f", {r['queued']} queued" if r["queued"] else ""))
+        if r["paused"]:
+            p = r["paused"]
+            out.append(f"  paused     {_when(p['at'])} by {p['by'] or 'someone'}: {p['reason']}")
+        if r["last_decision"] is not None:
+            e = r["last_decision"]
+            out.append(f"  decision   {_when(e.at)} {e.kind}: {e.message}")
+    return out
+
+
+def add_schedules_arguments(sub):
+    p = sub.add_parser("schedules", help="List schedules, or pause / resume / run one now.")
+    p.add_argument("action", nargs="?", default="list", choices=["list", "pause", "resume", "run"])
+    p.add_argument("name", nargs="?", default=None)
+    p.add_argument("--reason", default="", help="Why (required to pause, resume or run; recorded).")
+    p.add_argument("--user", default="cli", help="Who is acting (recorded).")
+    p.add_argument("--json", dest="as_json", action="store_true", help="Print JSON instead.")
 
 
 def add_purge_arguments(sub):

@@ -1,0 +1,351 @@
+"""Firing schedules: one job per tick, from any number of worker processes.
+
+Every worker runs ``Firer.maybe_fire()`` from its loop, at most once a second. A pass
+reads which schedules are due by the database clock (one indexed read), and settles each
+due one in a short transaction that locks its ``ScheduleState`` row: the plan for the
+ticks that fell due (``durable.cron.plan``), the jobs it submits and the decisions it
+records commit together. The job for a tick is submitted under a key made of the
+schedule's name and the tick's time, so even two passes that both decided to fire the
+same tick (a lock bypassed, a row reset) make one job. No leader, no beat process.
+"""
+
+import datetime
+import logging
+import time
+
+from django.core.exceptions import ImproperlyConfigured
+from django.db import transaction
+from django.db.models.functions import Now
+from django.db.utils import DatabaseError, InterfaceError
+
+from . import cron, locking
+from .conf import durable_settings
+from .exceptions import IdempotencyConflict
+from .models import Job, ScheduleEvent, ScheduleEventKind, ScheduleState
+from .states import StateKind
+from .workflows import registry
+
+logger = logging.getLogger("durable.schedules")
+
+# How often one worker process looks for due ticks (monotonic seconds).
+CHECK_INTERVAL = 1.0
+# While ticks are queued behind a run, how often a firer looks whether it finished.
+QUEUE_RECHECK = datetime.timedelta(seconds=1)
+
+_SETTING_KEYS = {
+    "WORKFLOW": "workflow", "TASK": "task", "CRON": "cron", "EVERY": "every",
+    "TIMEZONE": "timezone", "PAYLOAD": "payload", "CATCH_UP": "catch_up",
+    "MAX_CATCH_UP": "max_catch_up", "GRACE": "grace", "OVERLAP": "overlap", "QUEUE": "queue",
+}
+
+
+# What is declared ----------------------------------------------------------------------
+
+
+def declared():
+    """``{name: Schedule}`` of every schedule: workflows' ``schedule`` and DURABLE["SCHEDULES"].
+
+    Raises ImproperlyConfigured naming the schedule and what is wrong with it.
+    """
+    found = {}
+
+    def add(schedule, where):
+        if schedule.name in found:
+            raise ImproperlyConfigured(
+                f"Schedule {where}: the name {schedule.name!r} is used twice; give one a name="
+            )
+        found[schedule.name] = schedule
+
+    for wf in registry.all():
+        own = getattr(wf, "schedule", None)
+        if own is None:
+            continue
+        items = own if isinstance(own, list | tuple) else [own]
+        for item in items:
+            if not isinstance(item, cron.Schedule):
+                raise ImproperlyConfigured(
+                    f"Workflow {wf.name!r}: schedule must be a durable.Schedule or a list of them,"
+                    f" not {item!r}"
+                )
+            where = f"{item.name or wf.name!r} of workflow {wf.name!r}"
+            add(item.bound(workflow=wf.name, default_name=wf.name, where=where), where)
+    configured = durable_settings.SCHEDULES or {}
+    if not isinstance(configured, dict):
+        raise ImproperlyConfigured("DURABLE['SCHEDULES'] must be a dict of name -> schedule")
+    for name, config in configured.items():
+        where = f"DURABLE['SCHEDULES'][{name!r}]"
+        schedule = from_setting(name, config, where)
+        if schedule.workflow and schedule.workflow not in registry:
+            raise ImproperlyConfigured(
+                f"Schedule {where}: no workflow is registered as {schedule.workflow!r}"
+                f" (registered: {', '.join(registry.names()) or 'none'})"
+            )
+        add(schedule, where)
+    return found
+
+
+def from_setting(name, config, where):
+    """A Schedule from one DURABLE["SCHEDULES"] entry (upper-case keys)."""
+    if not isinstance(config, dict):
+        raise ImproperlyConfigured(f"Schedule {where}: must be a dict such as"
+                                   " {'WORKFLOW': 'report', 'CRON': '0 3 * * *'}")
+    unknown = sorted(set(config) - set(_SETTING_KEYS))
+    if unknown:
+        raise ImproperlyConfigured(f"Schedule {where}: unknown key {unknown[0]!r} (known: "
+                                   f"{', '.join(sorted(_SETTING_KEYS))})")
+    values = {_SETTING_KEYS[k]: v for k, v in config.items()}
+    workflow, task = values.pop("workflow", ""), values.pop("task", "")
+    if task:
+        from .tasks import WORKFLOW
+
+        if WORKFLOW not in registry:
+            raise ImproperlyConfigured(
+                f"Schedule {where}: TASK needs TASKS to use durable.tasks.DurableBackend")
+    try:
+        schedule = cron.Schedule(name=name, **values)
+    except TypeError as exc:
+        raise ImproperlyConfigured(f"Schedule {where}: {exc}") from None
+    return schedule.bound(workflow=workflow, task=task, where=where)
+
+
+# Firing --------------------------------------------------------------------------------
+
+
+class Firer:
+    """What a worker calls from its loop: at most one pass per CHECK_INTERVAL."""
+
+    def __init__(self, interval=CHECK_INTERVAL):
+        self.interval = interval
+        self._next = 0.0
+        self._synced = None
+
+    def maybe_fire(self):
+        now = time.monotonic()
+        if now < self._next:
+            return 0
+        self._next = now + self.interval
+        try:
+            schedules = declared()
+            if not schedules:
+                return 0
+            specs = tuple(sorted((n, s.spec, s.target) for n, s in schedules.items()))
+            if specs != self._synced:
+                sync(schedules)
+                self._synced = specs
+            return fire_due(schedules)
+        except (DatabaseError, InterfaceError):
+            raise  # the worker's loop reconnects
+        except Exception:  # noqa: BLE001 - a schedule's bug must not stop the worker running jobs
+            logger.exception("firing schedules failed; the worker goes on running jobs")
+            return 0
+
+
+def sync(schedules):
+    """Create the rows of new schedules; restart those whose expression changed."""
+    now = locking.db_now()
+    ScheduleState.objects.bulk_create(
+        [ScheduleState(name=s.name, target=s.target, spec=s.spec, last_tick=now,
+                       next_tick=s.next_tick(now), due_at=s.next_tick(now))
+         for s in schedules.values()],
+        ignore_conflicts=True,
+    )
+    for name, spec, target in ScheduleState.objects.filter(name__in=schedules).values_list(
+            "name", "spec", "target"):
+        if spec != schedules[name].spec or target != schedules[name].target:
+            fire_one(schedules[name])
+
+
+def fire_due(schedules=None):
+    """Settle every schedule that is due by the database clock; returns the jobs submitted."""
+    schedules = declared() if schedules is None else schedules
+    names = list(ScheduleState.objects.filter(
+        name__in=list(schedules), due_at__lte=Now(), paused_at__isnull=True,
+    ).order_by("due_at").values_list("name", flat=True))
+    return sum(fire_one(schedules[name]) for name in names)
+
+
+def fire_one(schedule):
+    """One pass for one schedule, in one transaction under its row lock; returns jobs submitted."""
+    # The lock makes passes of one schedule take turns, so every decision (missed,
+    # skipped, queued) is taken once; SQLite's IMMEDIATE transaction serialises them too.
+    with transaction.atomic():
+        row = ScheduleState.objects.select_for_update().filter(name=schedule.name).first()
+        if row is None:
+            return 0
+        now = locking.db_now()
+        if row.spec != schedule.spec or row.target != schedule.target:
+            _restart(row, schedule, now)
+            return 0
+        if row.paused_at is not None or row.due_at is None or row.due_at > now:
+            return 0  # another process settled it first
+        queued = [_parse(t) for t in row.queued or []]
+        decided = cron.plan(schedule, last_tick=row.last_tick, now=now,
+                            previous_going=_going(row.last_job), queued=queued)
+        submitted = 0
+        for tick in decided.fire:
+            job = _submit(schedule, row, tick)
+            if job is not None:
+                row.last_job = job
+                submitted += 1
+                if tick in decided.caught_up:
+                    _event(row, ScheduleEventKind.CAUGHT_UP, tick=tick, job=job,
+                           message=f"late tick run after downtime (catch-up policy {schedule.catch_up})")
+        _record_decisions(row, schedule, decided)
+        row.last_tick = decided.last_tick
+        row.next_tick = schedule.next_tick(max(now, row.last_tick or now))
+        row.queued = [_iso(t) for t in decided.queued]
+        row.due_at = row.next_tick
+        if decided.queued:
+            row.due_at = min(row.due_at or now + QUEUE_RECHECK, now + QUEUE_RECHECK)
+        row.missed += decided.missed_count + len(decided.dropped)
+        row.updated = Now()
+        row.save(update_fields=["last_tick", "next_tick", "queued", "due_at", "missed",
+                                "last_job", "updated"])
+    return submitted
+
+
+def _restart(row, schedule, now):
+    """A changed expression: nothing of the old one is caught up; ticks restart after now."""
+    old = row.spec
+    row.spec, row.target, row.last_tick = schedule.spec, schedule.target, now
+    row.next_tick = row.due_at = schedule.next_tick(now)
+    row.queued, row.updated = [], Now()
+    row.save(update_fields=["spec", "target", "last_tick", "next_tick", "due_at", "queued", "updated"])
+    _event(row, ScheduleEventKind.RESTARTED, data={"from": old, "to": schedule.spec},
+           message=f"now {schedule.spec} running {schedule.target}"
+                   + (f" (was {old})" if old else ""))
+
+
+def _record_decisions(row, schedule, decided):
+    if decided.missed_count:
+        first = decided.missed[0] if decided.missed else None
+        last = decided.missed[-1] if decided.missed else None
+        count = f"{'at least ' if decided.at_least else ''}{decided.missed_count}"
+        policy = {"all": f"run at most the {schedule.max_catch_up} latest",
+                  "latest": "run only the latest", "none": "run none"}[schedule.catch_up]
+        _event(row, ScheduleEventKind.MISSED, tick=last, data={
+            "count": decided.missed_count, "at_least": decided.at_least, "policy": schedule.catch_up,
+            "first": first, "last": last,
+        }, message=f"{count} tick{'s' if decided.missed_count != 1 else ''} fell due while no"
+                   f" worker fired them; catch-up policy {schedule.catch_up}: {policy}")
+    if decided.skipped:
+        _event(row, ScheduleEventKind.SKIPPED, tick=decided.skipped[-1], job=row.last_job,
+               data={"count": len(decided.skipped), "ticks": [_iso(t) for t in decided.skipped[-20:]]},
+               message=f"{len(decided.skipped)} tick{'s' if len(decided.skipped) != 1 else ''}"
+                       " not run: a run was still going (overlap policy skip)")
+    if decided.newly_queued:
+        _event(row, ScheduleEventKind.QUEUED, tick=decided.newly_queued[-1], job=row.last_job,
+               data={"ticks": [_iso(t) for t in decided.newly_queued[-20:]],
+                     "waiting": len(decided.queued)},
+               message=f"{len(decided.newly_queued)} tick(s) wait for the run in progress"
+                       f" (overlap policy queue; {len(decided.queued)} waiting)")
+    if decided.dropped:
+        _event(row, ScheduleEventKind.DROPPED, tick=decided.dropped[-1],
+               data={"ticks": [_iso(t) for t in decided.dropped[-20:]]},
+               message=f"{len(decided.dropped)} queued tick(s) not run: more than"
+                       f" {schedule.max_catch_up} were waiting (max_catch_up)")
+
+
+def _submit(schedule, row, tick):
+    """Submit the job of ``tick``; its key makes a second submission return the same job."""
+    key = schedule.job_key(tick)
+    try:
+        return submit_run(schedule, key)
+    except IdempotencyConflict as exc:
+        # The key is taken by a job with another payload (the declaration changed and the
+        # state was reset): the tick did run, with the old payload; nothing is resubmitted.
+        _event(row, ScheduleEventKind.CONFLICT, tick=tick, job=key, message=str(exc))
+        return None
+
+
+def submit_run(schedule, key):
+    """Submit one run of ``schedule`` under ``key`` (in the caller's transaction); its job key."""
+    from . import services
+
+    if schedule.task:
+        from .tasks import enqueue, load_task
+
+        return enqueue(load_task(schedule.task), key=key, **schedule.payload).id
+    return services.submit(schedule.workflow, key, schedule.payload, queue=schedule.queue,
+                           submitted_by=f"schedule:{schedule.name}").pk
+
+
+def _going(job_id):
+    """Whether the schedule's previous run is unfinished (neither terminal nor failed)."""
+    if not job_id:
+        return False
+    job = Job.objects.filter(pk=job_id).values_list("workflow", "state").first()
+    if job is None or job[0] not in registry:
+        return False
+    kind = registry.get(job[0]).table.kinds.get(job[1])
+    return kind not in (StateKind.TERMINAL, StateKind.FAILED)
+
+
+def _event(row, kind, *, tick=None, job="", actor="system", message="", data=None):
+    ScheduleEvent.objects.create(schedule_id=row.name, kind=kind, tick=tick, job=job or "",
+                                 actor=actor, message=message, data=data)
+
+
+def _iso(tick):
+    return tick.astimezone(cron.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _parse(text):
+    return datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=cron.UTC)
+
+
+# What the console and the CLI show -----------------------------------------------------
+
+
+def outcome(job):
+    """``(state, kind)`` of a schedule's run: how it ended, or that it is still going."""
+    if job is None:
+        return "", ""
+    kind = registry.get(job.workflow).table.kinds.get(job.state) if job.workflow in registry else None
+    if kind == StateKind.TERMINAL:
+        return job.state, "cancelled" if job.state == "cancelled" else "succeeded"
+    if kind == StateKind.FAILED:
+        return job.state, "failed"
+    return job.state, "going"
+
+
+def overview(now=None):
+    """One dict per schedule (declared, or known to the database): what it is, when, how."""
+    now = now or locking.db_now()
+    declared_ = declared()
+    rows = {r.name: r for r in ScheduleState.objects.all()}
+    jobs = {j.pk: j for j in Job.objects.filter(pk__in=[r.last_job for r in rows.values() if r.last_job])}
+    last_decisions = {}
+    for event in ScheduleEvent.objects.filter(schedule_id__in=list(rows)).order_by("-id")[:500]:
+        last_decisions.setdefault(event.schedule_id, event)
+    found = []
+    for name in sorted(set(declared_) | set(rows)):
+        schedule, row = declared_.get(name), rows.get(name)
+        job = jobs.get(row.last_job) if row else None
+        state, result = outcome(job)
+        next_tick = row.next_tick if row else (schedule.next_tick(now) if schedule else None)
+        grace = datetime.timedelta(seconds=schedule.grace if schedule else 60)
+        found.append({
+            "name": name,
+            "declared": schedule is not None,
+            "target": schedule.target if schedule else row.target,
+            "expression": (schedule.cron if schedule.cron is not None else
+                           f"every {schedule.interval_seconds}s") if schedule else row.spec,
+            "words": schedule.in_words() if schedule else "no longer declared: not fired",
+            "timezone": (schedule.timezone or "UTC") if schedule else "",
+            "catch_up": schedule.catch_up if schedule else "",
+            "overlap": schedule.overlap if schedule else "",
+            "next_tick": next_tick,
+            "last_tick": row.last_tick if row else None,
+            "last_run": {"job": row.last_job, "state": state, "outcome": result,
+                         "at": job.created if job else None} if row and row.last_job else None,
+            "missed": row.missed if row else 0,
+            "queued": len(row.queued or []) if row else 0,
+            "paused": {"at": row.paused_at, "by": row.paused_by, "reason": row.pause_reason}
+            if row and row.paused_at else None,
+            "seen": row is not None,
+            "late": bool(schedule and row and not row.paused_at and row.due_at
+                         and row.due_at + grace < now),
+            "last_decision": last_decisions.get(name),
+        })
+    return found
