@@ -144,8 +144,8 @@ def sync(schedules):
     """Create the rows of new schedules; restart those whose expression changed."""
     now = locking.db_now()
     ScheduleState.objects.bulk_create(
-        [ScheduleState(name=s.name, target=s.target, spec=s.spec, last_tick=now,
-                       next_tick=s.next_tick(now), due_at=s.next_tick(now))
+        [ScheduleState(name=s.name, target=s.target, spec=s.spec, last_tick=now, created=now,
+                       updated=now, next_tick=s.next_tick(now), due_at=s.next_tick(now))
          for s in schedules.values()],
         ignore_conflicts=True,
     )
@@ -187,6 +187,7 @@ def fire_one(schedule):
             if job is not None:
                 row.last_job = job
                 submitted += 1
+                logger.info("schedule %s fired tick %s: job %s", schedule.name, _iso(tick), job)
                 if tick in decided.caught_up:
                     _event(row, ScheduleEventKind.CAUGHT_UP, tick=tick, job=job,
                            message=f"late tick run after downtime (catch-up policy {schedule.catch_up})")
@@ -221,6 +222,8 @@ def _record_decisions(row, schedule, decided):
         first = decided.missed[0] if decided.missed else None
         last = decided.missed[-1] if decided.missed else None
         count = f"{'at least ' if decided.at_least else ''}{decided.missed_count}"
+        logger.warning("schedule %s missed %s ticks (%s to %s); catch-up policy %s", schedule.name,
+                       count, first, last, schedule.catch_up)
         policy = {"all": f"run at most the {schedule.max_catch_up} latest",
                   "latest": "run only the latest", "none": "run none"}[schedule.catch_up]
         _event(row, ScheduleEventKind.MISSED, tick=last, data={

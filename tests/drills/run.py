@@ -18,6 +18,7 @@ from pathlib import Path
 DRILLS = [
     "faults", "matrix", "random", "storm", "paused", "terminate", "restart", "skew", "busy", "busy-deferred",
     "partition",
+    "schedules",
 ]
 
 
@@ -45,6 +46,12 @@ def plan(size, database, only, restart):
         steps.append(("storm", lambda lab: [d.kill_storm(lab, size)]))
     if "paused" in only:
         steps.append(("paused", lambda lab: [d.paused_holder(lab, size)]))
+    if "schedules" in only:
+        from . import schedules as sd
+
+        steps.append(("schedules", lambda lab: [sd.steady_and_outage(lab, size)]))
+        if database == "postgres" and d.faketime_library():
+            steps.append(("schedules-skew", lambda lab: [sd.skewed_firer(lab, size, d.skewed_env)]))
     if database == "postgres":
         if "terminate" in only:
             steps.append(("terminate", lambda lab: [d.terminated_connections(lab, size)]))
