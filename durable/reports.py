@@ -579,11 +579,11 @@ def alerts(*, now=None, workflow=None):
             "Open reconciliation: look each one up again, or record what happened.",
             "reconcile", {}, unknown,
         ))
-    found += schedule_alerts(now)
+    found += schedule_alerts(now, workflow=workflow)
     return found
 
 
-def schedule_alerts(now):
+def schedule_alerts(now, workflow=None):
     """A schedule whose last run failed, or that has not fired when it was due."""
     from django.core.exceptions import ImproperlyConfigured
 
@@ -594,6 +594,8 @@ def schedule_alerts(now):
     except ImproperlyConfigured as exc:
         return [Alert("schedule_invalid", "error", "A schedule is declared wrongly", str(exc),
                       "Fix the declaration; manage.py check names it.", "schedules", {}, 1)]
+    if workflow:
+        rows = [r for r in rows if r["workflow"] == workflow]
     found = []
     failed = [r for r in rows if r["last_run"] and r["last_run"]["outcome"] == "failed"]
     if failed:

@@ -332,6 +332,9 @@ def overview(now=None):
             "name": name,
             "declared": schedule is not None,
             "target": schedule.target if schedule else row.target,
+            # The workflow its jobs belong to (a task's run as the django_task workflow).
+            "workflow": (job.workflow if job else
+                         schedule.workflow or "django_task" if schedule else row.target),
             "expression": (schedule.cron if schedule.cron is not None else
                            f"every {schedule.interval_seconds}s") if schedule else row.spec,
             "words": schedule.in_words() if schedule else "no longer declared: not fired",

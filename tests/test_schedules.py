@@ -404,3 +404,30 @@ def test_the_dashboard_alerts_when_a_schedule_is_overdue_or_its_last_run_failed(
     Job.objects.filter(pk=job).update(state="failed_a")
     codes = {a.code: a for a in reports.alerts()}
     assert "schedule_failed" in codes and job in codes["schedule_failed"].detail
+
+
+def test_a_task_schedule_enqueues_the_task_through_the_durable_backend(db):
+    from durable.tasks import FRAMEWORK
+
+    if FRAMEWORK is None:  # pragma: no cover - every supported environment has one
+        pytest.skip("neither django.tasks nor django_tasks is installed")
+    config = {"adder": {"TASK": "tests.test_tasks.add", "EVERY": 1, "GRACE": 3,
+                        "PAYLOAD": {"a": 2, "b": 3}, "OVERLAP": "allow"}}
+    with override_settings(DURABLE={"SCHEDULES": config}):
+        declared = schedules.declared()
+        assert check_schedules(None) == []
+        schedules.sync(declared)
+        since = rewind("adder", 1.5)
+        fired = schedules.fire_one(declared["adder"])
+        ticks = decided_ticks(declared["adder"], since)
+    assert fired == len(ticks) >= 1
+    job = Job.objects.get(pk=declared["adder"].job_key(ticks[0]))
+    assert job.workflow == "django_task"
+    assert job.payload["task"] == "tests.test_tasks.add" and job.payload["kwargs"] == {"a": 2, "b": 3}
+    from durable.runner import Runner
+
+    runner = Runner("test-worker", None, 30)
+    while (started := runner.claim()) is not None:
+        runner.run(started)
+    job.refresh_from_db()
+    assert job.state == "succeeded" and job.result == 5
