@@ -3,18 +3,25 @@
 The connection options bound how long a connection to a vanished host can hang; the
 heartbeat's own deadline bounds how long a step runs on a lease nobody renewed. The
 partition drill (``tests/drills/test_partition.py``) proves both with real network
-cuts; these tests hold the rules themselves.
+cuts between hosts (it needs root); these tests hold the rules themselves, and the last
+one a real worker whose database stops answering behind a proxy on 127.0.0.1.
 """
 
+import socket
 import threading
 import time
 from types import SimpleNamespace
 
 import pytest
+from django.db import connection
 from django.db.utils import ConnectionHandler, OperationalError
 
+import durable
 from durable import worker as worker_module
 from durable.conf import bound_database_connections, connection_options
+from durable.models import EventKind, Job, JobEvent, StepResult
+
+from .conftest import ON_POSTGRES, wait_for
 
 
 def test_connection_options_bound_the_connect_and_the_silence_of_an_established_connection():
@@ -130,3 +137,98 @@ def test_a_lease_the_database_says_is_gone_is_left_to_the_fenced_commit(heartbea
     _drive(heartbeat, 2.0)
     assert not heartbeat.abandoned
     assert len(calls) == 1
+
+
+# A real worker process whose database stops answering ---------------------------------
+
+
+class FreezingProxy:
+    """A TCP proxy on 127.0.0.1 in front of PostgreSQL that can stop answering.
+
+    Frozen, it keeps every connection open and forwards nothing: the kernel still
+    acknowledges what the worker sends, so no TCP timeout fires, and only the
+    heartbeat's own deadline can tell the worker that its lease is gone.
+    """
+
+    def __init__(self, target):
+        self.target = target
+        self.frozen = threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self._sockets = [self.listener]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            self._sockets += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    def _pipe(self, source, sink):
+        while True:
+            if self.frozen.is_set():
+                time.sleep(0.05)
+                continue
+            try:
+                source.settimeout(0.05)
+                data = source.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if not data:
+                return
+            try:
+                sink.sendall(data)
+            except OSError:
+                return
+
+    def close(self):
+        for sock in self._sockets:
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+
+@pytest.mark.crash
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.skipif(not ON_POSTGRES, reason="a worker's connection to a PostgreSQL server")
+def test_a_worker_whose_database_stops_answering_abandons_its_step_and_another_finishes_it(
+        workers, tmp_path):
+    settings = connection.settings_dict
+    proxy = FreezingProxy((settings["HOST"] or "127.0.0.1", int(settings["PORT"] or 5432)))
+    try:
+        log = tmp_path / "exec.log"
+        durable.submit("recorded", "j", {"log": str(log), "sleep": 30})
+        user = settings["USER"] or "postgres"
+        password = f":{settings['PASSWORD']}" if settings["PASSWORD"] else ""
+        url = f"postgres://{user}{password}@127.0.0.1:{proxy.port}/{settings['NAME']}"
+        cut_off = workers.start(DURABLE_LEASE_SECONDS=2, DURABLE_TEST_POSTGRES_URL=url)
+        wait_for(lambda: "j b-start" in (log.read_text() if log.exists() else ""),
+                 message="step b to start")
+        first_pid = int(log.read_text().split("j b-start ")[1].split()[0])
+        proxy.frozen.set()
+        wait_for(lambda: "abandoning the step uncommitted" in workers.output(cut_off),
+                 timeout=20, message="the heartbeat to abandon the step")
+        wait_for(lambda: "died (after its lease could not be renewed)" in workers.output(cut_off),
+                 timeout=10, message="the supervisor to replace the process")
+        # A worker that still reaches the database takes the job over once the lease passed.
+        other = workers.start(DURABLE_LEASE_SECONDS=2)
+        wait_for(lambda: Job.objects.get(pk="j").state == "c_done", timeout=30,
+                 message="the job to finish elsewhere")
+        workers.terminate(other)
+    finally:
+        proxy.close()
+    lines = log.read_text().split("\n")
+    # The abandoned run never returned from its step: nothing of it could be kept.
+    assert f"j b {first_pid}" not in lines
+    assert StepResult.objects.get(job_id="j", step="b").attempt == 2
+    done = JobEvent.objects.get(job_id="j", kind=EventKind.STEP_DONE, step="b")
+    assert f":{first_pid}:" not in done.actor
