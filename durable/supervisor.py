@@ -36,6 +36,9 @@ PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 # How often a child checks that its supervisor is alive where the kernel cannot say.
 PARENT_CHECK_SECONDS = 1.0
 
+# After the second signal, how long children have to stop before they are killed.
+FORCE_SECONDS = 5.0
+
 
 def _die_with_parent(parent_pid):
     """SIGTERM this process (a drain) when the supervisor ``parent_pid`` is gone.
@@ -137,6 +140,7 @@ class Supervisor:
         self.children = {}  # slot -> Process
         self._stopping = False
         self._signals = 0
+        self._kill_at = None
         self._ctx = _mp_context()
         self._restarts = {}
 
@@ -145,9 +149,7 @@ class Supervisor:
         if self._stopping:
             return
         self._stopping = True
-        for proc in list(self.children.values()):
-            if proc.is_alive():
-                os.kill(proc.pid, signal.SIGTERM)
+        self._signal_all(signal.SIGTERM)
 
     def _on_signal(self, signum, frame):
         self._signals += 1
@@ -155,15 +157,27 @@ class Supervisor:
             logger.info("supervisor received %s: draining %d children (grace %ss)",
                         signal.strsignal(signum), len(self.children), self.grace)
             self.stop()
+        elif self._signals == 2:
+            # Each child gets its second signal: it exits now. A task running then is
+            # recorded failed (SystemExit), as Django's task worker does; a workflow step
+            # is left to its lease, as after a crash.
+            logger.warning("supervisor received %s again: stopping children now (killed in %ss)",
+                           signal.strsignal(signum), FORCE_SECONDS)
+            self._signal_all(signal.SIGTERM)
+            self._kill_at = time.monotonic() + FORCE_SECONDS
         else:
-            logger.warning("supervisor received %s again: killing children",
+            logger.warning("supervisor received %s a third time: killing children",
                            signal.strsignal(signum))
             self._kill_all()
 
     def _kill_all(self):
+        self._signal_all(signal.SIGKILL)
+
+    def _signal_all(self, signum):
         for proc in list(self.children.values()):
             if proc.is_alive():
-                os.kill(proc.pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signum)
 
     def _spawn(self, slot):
         role, index, options = slot
@@ -192,6 +206,11 @@ class Supervisor:
                 logger.warning("grace period over: killing remaining children")
                 self._kill_all()
                 deadline = float("inf")
+            if self._kill_at is not None and time.monotonic() > self._kill_at:
+                logger.warning("children still running %ss after the second signal: killing them",
+                               FORCE_SECONDS)
+                self._kill_all()
+                self._kill_at = float("inf")
             for slot, proc in list(self.children.items()):
                 if proc.is_alive():
                     continue

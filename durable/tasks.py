@@ -14,7 +14,12 @@ Nothing here imports models at module level: Django imports this module when a
 
 import contextlib
 import contextvars
+import dataclasses
+import datetime
 import logging
+import signal
+import sys
+import threading
 import traceback
 import uuid
 from collections.abc import Callable
@@ -26,9 +31,15 @@ from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
 from .conf import durable_settings
-from .exceptions import PayloadInvalid, TaskAttemptFailed, TaskFailed, TaskNotFound
+from .exceptions import (
+    IdempotencyConflict,
+    PayloadInvalid,
+    TaskAttemptFailed,
+    TaskFailed,
+    TaskNotFound,
+)
 from .retry import backoff as full_jitter_delay
-from .retry import classify
+from .retry import classify, scrub
 from .signals import job_finished, step_finished
 from .states import StateKind
 from .workflows import Output, Retry, Workflow, registry, step
@@ -62,7 +73,16 @@ except ImportError:
     except ImportError:
         FRAMEWORK = None
 
-__all__ = ["DurableBackend", "DurableTask", "enqueue", "full_jitter", "idempotency_key"]
+__all__ = ["DurableBackend", "DurableTask", "TaskArgumentsInvalid", "enqueue", "full_jitter",
+           "idempotency_key"]
+
+
+class TaskArgumentsInvalid(PayloadInvalid, TypeError, ValueError):
+    """A task's arguments are not JSON. Nothing was written.
+
+    A ``TypeError`` (and ``ValueError``) as the framework raises for them, and a
+    ``durable.PayloadInvalid`` like every payload durable refuses.
+    """
 
 
 # Retry policy --------------------------------------------------------------------------
@@ -131,6 +151,10 @@ def _check_key(key):
                              f" 255 characters, not {key!r}")
 
 
+def _without_run_after(payload):
+    return {k: v for k, v in (payload or {}).items() if k != "run_after"}
+
+
 def _key_for(task, args, kwargs):
     key = _key.get()
     if key is None:
@@ -168,26 +192,40 @@ class TaskWorkflow(Workflow, register=False):
         _send(task_started, backend, result)
         args, kwargs = payload.get("args", []), payload.get("kwargs", {})
         try:
-            if task.takes_context:
-                value = task.call(TaskContext(task_result=result), *args, **kwargs)
-            else:
-                value = task.call(*args, **kwargs)
+            with _second_signal_interrupts():
+                if task.takes_context:
+                    value = task.call(TaskContext(task_result=result), *args, **kwargs)
+                else:
+                    value = task.call(*args, **kwargs)
             if isinstance(value, Output):
                 return Output(normalize_json(value.value), cost=value.cost)
             return normalize_json(value)
         except Exception as exc:  # noqa: BLE001 - the task's policy decides below
             raise _decide(exc, task, backend, ctx, max_attempts) from exc
+        except (SystemExit, KeyboardInterrupt) as exc:
+            # Raised by the task's own code (sys.exit(), a stray KeyboardInterrupt), or by
+            # a second stop signal (below): the task failed; this worker carries on, or
+            # stops if it was told to. A real Ctrl-C reaches a worker as a signal, never
+            # as this exception, unless Python's own SIGINT handler is in place.
+            if isinstance(exc, KeyboardInterrupt) and _sigint_is_pythons_default():
+                raise
+            raise _decide(exc, task, backend, ctx, max_attempts) from exc
 
 
 def _decide(exc, task, backend, ctx, max_attempts):
     """The exception the engine sees: a retry after the task's backoff, or final failure."""
+    formatted = "".join(traceback.format_exception(exc))
+    formatted = scrub(formatted, limit=sys.maxsize)  # scrubbed here, truncated when stored
     logger.warning("task %s job=%s attempt %d raised:\n%s", task.module_path, ctx.job_id,
-                   ctx.attempt, "".join(traceback.format_exception(exc)).rstrip())
+                   ctx.attempt, formatted.rstrip())
     message = f"{_class_path(type(exc))}: {exc}" if str(exc) else _class_path(type(exc))
+    error = TaskError(exception_class_path=f"{type(exc).__module__}.{type(exc).__qualname__}",
+                      traceback=_stored_traceback(formatted))
+    # Written to the attempt's event once the runner has recorded it (_on_step_finished).
+    _pending_errors[ctx.job_id] = error
     # The backoff sees the result as this attempt left it: failed, with its error.
     result = _build_result(ctx.job_id, task=task)
-    result.errors.append(TaskError(exception_class_path=f"{type(exc).__module__}."
-                                   f"{type(exc).__qualname__}", traceback=message))
+    result.errors.append(error)
     object.__setattr__(result, "status", TaskResultStatus.FAILED)
     backoff = _backoff(task, backend)
     delay = backoff(exc, result) if backoff else None
@@ -196,6 +234,81 @@ def _decide(exc, task, backend, ctx, max_attempts):
     if ctx.attempt >= max_attempts:
         return TaskFailed(f"{message} (gave up after {ctx.attempt} attempts)")
     return TaskAttemptFailed(message, retry_after=max(0.0, float(delay)))
+
+
+def _stored_traceback(formatted):
+    """The (scrubbed) traceback as stored: at most MAX_ERROR_CHARS, keeping its end.
+
+    The end holds the exception and the innermost frames, which say what went wrong.
+    """
+    limit = durable_settings.MAX_ERROR_CHARS
+    if len(formatted) <= limit:
+        return formatted
+    marker = "Traceback (most recent call last):\n  …[truncated]\n"
+    return marker + formatted[len(formatted) - max(limit - len(marker), 0):]
+
+
+# job id -> the TaskError of the attempt that just raised in this process (see _decide).
+_pending_errors = {}
+
+
+def _record_error(job_id):
+    """Add the traceback and class of the attempt that just failed to its retry/failed event."""
+    from .models import EventKind, JobEvent
+
+    error = _pending_errors.pop(job_id, None)
+    if error is None:
+        return
+    event = (JobEvent.objects.filter(job_id=job_id, kind__in=[EventKind.RETRY, EventKind.FAILED])
+             .order_by("-id").values("id", "data").first())
+    if event is None:
+        return
+    data = {**(event["data"] or {}), "exception": error.exception_class_path,
+            "traceback": error.traceback}
+    JobEvent.objects.filter(pk=event["id"]).update(data=data)
+
+
+def _sigint_is_pythons_default():
+    return signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@contextlib.contextmanager
+def _second_signal_interrupts():
+    """While a task runs, a second stop signal raises SystemExit in it, as Django's worker does.
+
+    The first SIGTERM (or SIGINT) drains the worker: the task finishes. Without this,
+    the second would end the process at once and leave the task RUNNING until its lease
+    expired, then run it again. With it, the task is recorded FAILED with SystemExit
+    and the worker exits; a third signal ends the process at once.
+    """
+    from .worker import Drains
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    wrapped = {}
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        handler = signal.getsignal(signum)
+        if isinstance(getattr(handler, "__self__", None), Drains):
+            wrapped[signum] = handler
+
+    def interrupt(signum, frame):
+        previous = wrapped[signum]
+        if not previous.__self__.stopping:
+            previous(signum, frame)  # the first: drain
+            return
+        for number, handler in wrapped.items():
+            signal.signal(number, handler)
+        raise SystemExit(f"{signal.strsignal(signum)} received again while the task ran: "
+                         "the worker stopped it")
+
+    for signum in wrapped:
+        signal.signal(signum, interrupt)
+    try:
+        yield
+    finally:
+        for signum, handler in wrapped.items():
+            signal.signal(signum, handler)
 
 
 def _class_path(cls):
@@ -278,8 +391,15 @@ def _status(job, table):
 _WRAPPERS = ("TaskAttemptFailed: ", "TaskFailed: ")
 
 
-def _error(message):
-    """A TaskError from an engine error line such as ``TaskFailed: ValueError: bad``."""
+def _error(message, data=None):
+    """A TaskError from an attempt's event: its recorded traceback, else its error line.
+
+    The error line (``TaskFailed: ValueError: bad``) is all there is for a worker lost
+    mid-task, a step timeout, a task that could not be imported, or an attempt whose
+    worker died between recording the failure and adding the traceback.
+    """
+    if isinstance(data, dict) and data.get("exception") and data.get("traceback"):
+        return TaskError(exception_class_path=data["exception"], traceback=data["traceback"])
     text = message
     for prefix in _WRAPPERS:
         if text.startswith(prefix):
@@ -310,22 +430,26 @@ def _build_result(job_id, task=None, job=None):
     payload = job.payload or {}
     if task is None:
         task = load_task(payload.get("task", ""))
-    queue = payload.get("queue_name", job.queue)
-    if task.queue_name != queue:
-        task = task.using(queue_name=queue)
+    # The task as it was enqueued: its queue, backend alias and run_after.
+    enqueued = {"queue_name": payload.get("queue_name", job.queue),
+                "backend": payload.get("backend") or task.backend,
+                "run_after": _parse_time(payload.get("run_after"))}
+    changes = {k: v for k, v in enqueued.items() if getattr(task, k) != v}
+    if changes:
+        task = dataclasses.replace(task, **changes)
     table = registry.get(WORKFLOW).table if WORKFLOW in registry else TaskWorkflow.build_table()
     status = _status(job, table)
     events = JobEvent.objects.filter(
         job_id=job.pk,
         kind__in=[EventKind.CLAIMED, EventKind.RECLAIMED, EventKind.RETRY, EventKind.FAILED,
                   EventKind.OPERATOR],
-    ).order_by("id").values_list("kind", "at", "actor", "message", "to_state")
+    ).order_by("id").values_list("kind", "at", "actor", "message", "to_state", "data")
     attempts, errors = [], []
-    for kind, at, actor, message, to_state in events:
+    for kind, at, actor, message, to_state, data in events:
         if kind in (EventKind.CLAIMED, EventKind.RECLAIMED):
             attempts.append((at, actor))
         elif kind in (EventKind.RETRY, EventKind.FAILED):
-            errors.append(_error(message))
+            errors.append(_error(message, data))
         elif kind == EventKind.OPERATOR and to_state == "cancelled":
             errors.append(TaskError(exception_class_path="durable.exceptions.TaskCancelled",
                                     traceback=message or "cancelled by an operator"))
@@ -349,10 +473,14 @@ def _build_result(job_id, task=None, job=None):
     return result
 
 
-def _send(signal, backend, result):
+def _parse_time(value):
+    return datetime.datetime.fromisoformat(value) if value else None
+
+
+def _send(task_signal, backend, result):
     # A listener's bug must not take a worker down or undo a committed step.
     sender = type(backend) if backend is not None else DurableBackend
-    for receiver, response in signal.send_robust(sender=sender, task_result=result):
+    for receiver, response in task_signal.send_robust(sender=sender, task_result=result):
         if isinstance(response, Exception):
             logger.error("%s receiver %r failed for task %s: %r", "task signal", receiver,
                          result.id, response)
@@ -366,7 +494,16 @@ def _on_job_finished(sender, job_id, **kwargs):
 
 
 def _on_step_finished(sender, job_id, outcome, **kwargs):
-    if sender == WORKFLOW and outcome == "failed":
+    if sender != WORKFLOW:
+        return
+    if outcome in ("retry", "failed"):
+        try:
+            _record_error(job_id)
+        except Exception:  # noqa: BLE001 - the failure is recorded; only its traceback is lost
+            logger.exception("could not record the traceback of task job %s", job_id)
+    else:
+        _pending_errors.pop(job_id, None)
+    if outcome == "failed":
         _finished(job_id)
 
 
@@ -443,18 +580,28 @@ if FRAMEWORK is not None:
             try:
                 args, kwargs = normalize_json(list(args)), normalize_json(dict(kwargs))
             except (TypeError, ValueError) as exc:
-                raise PayloadInvalid(f"The arguments of task {task.module_path} are not "
-                                     f"JSON: {exc}") from None
+                raise TaskArgumentsInvalid(f"The arguments of task {task.module_path} are not "
+                                           f"JSON: {exc}") from None
             key = _key_for(task, args, kwargs)
             payload = {"task": task.module_path, "args": args, "kwargs": kwargs,
                        "backend": self.alias, "queue_name": task.queue_name}
+            if task.run_after is not None:
+                payload["run_after"] = task.run_after.isoformat()
             existed = key is not None and Job.objects.filter(pk=key).exists()
-            job = services.submit(
-                WORKFLOW, key or uuid.uuid4().hex, payload, run_after=task.run_after,
-                queue=task.queue_name,
-            )
+            try:
+                job = services.submit(
+                    WORKFLOW, key or uuid.uuid4().hex, payload, run_after=task.run_after,
+                    queue=task.queue_name,
+                )
+            except IdempotencyConflict:
+                # The same task and arguments enqueued again for another time: the key
+                # names the first one, which keeps its run_after.
+                job = Job.objects.filter(pk=key).first()
+                if job is None or _without_run_after(job.payload) != _without_run_after(payload):
+                    raise
+                existed = True
             if existed:
-                return _build_result(job.pk, task=task)
+                return _build_result(job.pk, task=task, job=job)
             result = TaskResult(
                 task=task, id=job.pk, status=TaskResultStatus.READY, enqueued_at=job.created,
                 started_at=None, last_attempted_at=None, finished_at=None, args=args,

@@ -7,6 +7,9 @@ subprocesses can import them by path.
 
 import datetime
 import os
+import signal
+import sys
+import time
 
 import pytest
 from asgiref.sync import async_to_sync
@@ -16,8 +19,15 @@ from django.utils import timezone
 
 import durable
 from durable import IdempotencyConflict, PayloadInvalid, services
-from durable.models import Job, StepResult
-from durable.tasks import FRAMEWORK, DurableBackend, TaskWorkflow, full_jitter, idempotency_key
+from durable.models import EventKind, Job, JobEvent, StepResult
+from durable.tasks import (
+    FRAMEWORK,
+    DurableBackend,
+    TaskArgumentsInvalid,
+    TaskWorkflow,
+    full_jitter,
+    idempotency_key,
+)
 
 from .conftest import wait_for
 
@@ -137,6 +147,38 @@ def down():
     raise ConnectionError("down")
 
 
+@task
+def exits():
+    sys.exit(3)
+
+
+@task
+def interrupted():
+    raise KeyboardInterrupt
+
+
+@task
+def nested_exception():
+    raise ValueError(ValueError("This task failed"))
+
+
+@task
+def leaks_a_secret():
+    raise ValueError("POST https://bot:hunter2@api.example.org/send?token=abc123 refused")
+
+
+@task
+def long_message():
+    raise ValueError("x" * 5000 + " END")
+
+
+@task(takes_context=True)
+def hangs(context, log):
+    note(log, f"start {context.attempt} {os.getpid()}")
+    time.sleep(120)
+    note(log, "finished")
+
+
 def plain(x):
     return x
 
@@ -192,6 +234,61 @@ def test_a_worker_runs_the_task_and_the_result_carries_its_return_value_and_work
     assert result.last_attempted_at == result.started_at
     assert result.errors == []
     assert Job.objects.get(pk=result.id).state == "succeeded"
+
+
+@pytest.mark.django_db
+def test_get_result_equals_what_enqueue_returned():
+    """Ported from django-tasks-db's test_get_result: the result read back is the same."""
+    result = add.enqueue(1, 2)
+    assert add.get_result(result.id) == result
+    assert add.get_backend().get_result(result.id) == result
+
+
+@pytest.mark.django_db
+def test_get_result_keeps_the_run_after_the_task_was_enqueued_with():
+    when = timezone.now().replace(microsecond=123456) + datetime.timedelta(hours=2)
+    later = add.using(run_after=when)
+    result = later.enqueue(1, 1)
+    fetched = add.get_result(result.id)
+    assert fetched == result
+    assert fetched.task.run_after == when and fetched.task == later
+
+
+@pytest.mark.django_db
+def test_get_result_keeps_the_backend_alias_the_task_was_enqueued_on():
+    tasks = {"default": {"BACKEND": "durable.tasks.DurableBackend"},
+             "other": {"BACKEND": "durable.tasks.DurableBackend"}}
+    with override_settings(TASKS=tasks):
+        elsewhere = add.using(backend="other")
+        result = elsewhere.enqueue(2, 2)
+        fetched = elsewhere.get_result(result.id)
+        assert result.backend == fetched.backend == "other"
+        assert fetched.task.backend == "other"
+        assert fetched == result
+
+
+@pytest.mark.django_db
+def test_get_result_async_equals_what_aenqueue_returned():
+    async def go():
+        result = await add.using(run_after=timezone.now()).aenqueue(4, 5)
+        return result, await add.aget_result(result.id)
+
+    result, fetched = async_to_sync(go)()
+    assert fetched == result
+
+
+@pytest.mark.django_db
+def test_the_same_key_enqueued_for_another_time_returns_the_first_result_not_a_conflict():
+    first_time = timezone.now() + datetime.timedelta(hours=1)
+    first = durable.enqueue(add.using(run_after=first_time), 1, 2, key="once")
+    again = durable.enqueue(add.using(run_after=first_time + datetime.timedelta(hours=5)), 1, 2,
+                            key="once")
+    plain_again = durable.enqueue(add, 1, 2, key="once")
+    assert again == first == plain_again
+    assert again.task.run_after == first_time
+    assert Job.objects.get(pk="once").next_run_at == first_time
+    with pytest.raises(IdempotencyConflict):  # other arguments still conflict
+        durable.enqueue(add.using(run_after=first_time), 1, 3, key="once")
 
 
 @pytest.mark.django_db
@@ -293,6 +390,20 @@ def test_backoff_and_key_must_be_callables_or_a_template():
 def test_arguments_that_are_not_json_are_refused_and_nothing_is_written():
     with pytest.raises(PayloadInvalid, match="not JSON"):
         add.enqueue(datetime.date(2026, 1, 1), 1)
+    assert not Job.objects.exists()
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("bad", [datetime.date(2026, 1, 1), {1, 2}, object(), b"\xff"])
+def test_arguments_that_are_not_json_raise_the_type_error_code_written_for_the_framework_catches(bad):
+    """The framework raises TypeError (ValueError for undecodable bytes); so does durable."""
+    with pytest.raises(TypeError) as raised:
+        add.enqueue(bad, 1)
+    assert isinstance(raised.value, ValueError) and isinstance(raised.value, PayloadInvalid)
+    assert isinstance(raised.value, TaskArgumentsInvalid)
+    assert "tests.test_tasks.add are not JSON" in str(raised.value)
+    with pytest.raises(TypeError):
+        add.enqueue(1, b=bad)
     assert not Job.objects.exists()
 
 
@@ -456,6 +567,94 @@ def test_a_return_value_that_is_not_json_fails_the_task_as_poison(run):
     result.refresh()
     assert result.status == TaskResultStatus.FAILED and result.attempts == 1
     assert result.errors[0].exception_class is TypeError
+    assert "Unsupported type: <class 'set'>" in result.errors[0].traceback
+
+
+# Tracebacks: the real formatted traceback, as the framework stores it ------------------
+
+
+@pytest.mark.django_db
+def test_a_failed_tasks_error_holds_its_formatted_traceback(run):
+    """Ported from django-tasks-db's test_failing_task."""
+    result = malformed.enqueue()
+    run()
+    result.refresh()
+    traceback = result.errors[0].traceback
+    assert traceback.startswith("Traceback (most recent call last):\n")
+    assert ", in malformed\n" in traceback  # the task's own frame
+    assert 'raise ValueError("malformed document at line 3")' in traceback
+    assert traceback.endswith("ValueError: malformed document at line 3\n")
+    # The console and last_error keep the one-line cause.
+    assert Job.objects.get(pk=result.id).last_error == (
+        "TaskFailed: ValueError: malformed document at line 3 (poison)")
+
+
+@pytest.mark.django_db
+def test_the_traceback_shows_the_raising_line_of_a_nested_exception(run):
+    """Ported from django-tasks-db's test_complex_exception."""
+    result = nested_exception.enqueue()
+    run()
+    result.refresh()
+    assert result.errors[0].exception_class is ValueError
+    assert 'ValueError(ValueError("This task failed"))' in result.errors[0].traceback
+
+
+@pytest.mark.django_db
+def test_every_attempt_keeps_its_own_traceback(finish):
+    result = finish(flaky.enqueue(3))
+    assert [e.traceback.splitlines()[-1] for e in result.errors] == [
+        "ConnectionError: connection reset on attempt 1",
+        "ConnectionError: connection reset on attempt 2",
+    ]
+    assert all(e.traceback.startswith("Traceback") for e in result.errors)
+
+
+@pytest.mark.django_db
+def test_a_stored_traceback_is_scrubbed_of_secrets(run):
+    result = leaks_a_secret.enqueue()
+    run()
+    result.refresh()
+    traceback = result.errors[0].traceback
+    assert "hunter2" not in traceback and "abc123" not in traceback
+    assert "ValueError: POST https://[redacted]@api.example.org/send?token=[redacted]" in traceback
+    stored = JobEvent.objects.get(job_id=result.id, kind=EventKind.FAILED).data
+    assert "hunter2" not in str(stored) and stored["exception"] == "builtins.ValueError"
+
+
+@pytest.mark.django_db
+def test_a_long_traceback_is_truncated_and_keeps_its_end(run, settings):
+    settings.DURABLE = {**getattr(settings, "DURABLE", {}), "MAX_ERROR_CHARS": 600}
+    result = long_message.enqueue()
+    run()
+    result.refresh()
+    traceback = result.errors[0].traceback
+    assert len(traceback) <= 600
+    assert traceback.startswith("Traceback (most recent call last):\n  …[truncated]\n")
+    assert traceback.endswith("x END\n")
+
+
+# SystemExit and KeyboardInterrupt in a task -------------------------------------------
+
+
+@pytest.mark.django_db
+def test_a_task_calling_sys_exit_is_failed_with_systemexit_and_the_worker_goes_on(run):
+    failing = exits.enqueue()
+    after = add.enqueue(1, 1)
+    run()
+    failing.refresh()
+    assert failing.status == TaskResultStatus.FAILED and failing.attempts == 1
+    assert failing.errors[0].exception_class is SystemExit
+    assert failing.errors[0].traceback.endswith("SystemExit: 3\n")
+    assert add.get_result(after.id).return_value == 2
+
+
+@pytest.mark.django_db
+def test_a_keyboard_interrupt_under_pythons_own_sigint_handler_still_stops_the_process(run):
+    """Where a Ctrl-C arrives as KeyboardInterrupt (no worker handler), it is not swallowed."""
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    interrupted.enqueue()
+    with pytest.raises(KeyboardInterrupt):
+        run()
 
 
 @pytest.mark.django_db
@@ -550,6 +749,49 @@ def test_runworkers_runs_tasks_like_any_other_job(workers):
     proc = workers.start("--burst", processes=2)
     assert proc.wait(60) == 0, workers.output(proc)
     assert [add.get_result(r.id).return_value for r in results] == [0, 2, 4, 6]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_systemexit_and_keyboardinterrupt_in_tasks_fail_them_and_the_worker_carries_on(workers):
+    """Ported from django-tasks-db's test_system_exit_task / test_keyboard_interrupt_task."""
+    exiting, interrupting = exits.enqueue(), interrupted.enqueue()
+    after = add.enqueue(2, 2)
+    proc = workers.start("--burst", processes=1, DURABLE_LEASE_SECONDS=2)
+    assert proc.wait(60) == 0, workers.output(proc)
+    exiting.refresh()
+    interrupting.refresh()
+    assert exiting.status == interrupting.status == TaskResultStatus.FAILED
+    assert exiting.errors[0].exception_class is SystemExit
+    assert interrupting.errors[0].exception_class is KeyboardInterrupt
+    assert exiting.attempts == interrupting.attempts == 1  # not re-run after a lease
+    finished = add.get_result(after.id)
+    assert finished.return_value == 4
+    # One worker process ran all three: none died.
+    assert exiting.worker_ids == interrupting.worker_ids == finished.worker_ids
+    assert "died" not in workers.output(proc)
+
+
+@pytest.mark.crash
+@pytest.mark.django_db(transaction=True)
+def test_a_second_ctrl_c_records_the_running_task_failed_with_systemexit(workers, tmp_path):
+    """Ported from django-tasks-db's test_repeat_ctrl_c, through runworkers' supervisor."""
+    log = tmp_path / "task.log"
+    result = hangs.enqueue(str(log))
+    proc = workers.start(processes=1, DURABLE_LEASE_SECONDS=60)
+    wait_for(lambda: any(line.startswith("start 1") for line in lines(log)),
+             message="the task to start")
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C reaches the whole process group
+    time.sleep(0.5)
+    assert proc.poll() is None  # the first drains: the task goes on
+    assert hangs.get_result(result.id).status == TaskResultStatus.RUNNING
+    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.wait(30) == 0, workers.output(proc)
+    result.refresh()
+    assert result.status == TaskResultStatus.FAILED  # not RUNNING for a 60 s lease
+    assert result.errors[0].exception_class is SystemExit
+    assert "received again while the task ran" in result.errors[0].traceback
+    assert result.attempts == 1 and "finished" not in lines(log)
+    assert Job.objects.get(pk=result.id).lease_owner is None
 
 
 @pytest.mark.crash
