@@ -50,6 +50,11 @@ def children_of(workers, proc, count):
     )
 
 
+def told(output):
+    """The lines in which a child says it received SIGTERM (they name it host:pid:role)."""
+    return "\n".join(line for line in output.splitlines() if "received Terminated" in line)
+
+
 @pytest.mark.crash
 def test_children_of_a_sigkilled_supervisor_finish_their_step_exit_and_claim_nothing(workers, tmp_path):
     log = tmp_path / "exec.log"
@@ -57,14 +62,20 @@ def test_children_of_a_sigkilled_supervisor_finish_their_step_exit_and_claim_not
     supervisor = workers.start(processes=2, DURABLE_LEASE_SECONDS=30)
     # Two workers and the outbox dispatcher.
     pids = children_of(workers, supervisor, 3)
+    wait_for(lambda: workers.output(supervisor).count(" started (lease") == 3,
+             message="the three children to be running")
     wait_for(lambda: executions(log)[("in-hand", "b-start")] == 1, message="step b to start")
 
     os.kill(supervisor.pid, signal.SIGKILL)  # the supervisor alone, not its group
     assert supervisor.wait(10) == -signal.SIGKILL
-    killed_at = JobEvent.objects.order_by("-id").values_list("id", flat=True).first()
-    durable.submit("recorded", "after", {"log": str(log)})
-
     try:
+        # Each child is told (SIGTERM) and drains: a claim already under way when the
+        # signal lands still completes, so new work is submitted once all three know.
+        wait_for(lambda: all(f":{pid}:" in told(workers.output(supervisor)) or not alive(pid)
+                             for pid in pids),
+                 timeout=GONE_WITHIN, message="every child to learn its supervisor is gone")
+        killed_at = JobEvent.objects.order_by("-id").values_list("id", flat=True).first()
+        durable.submit("recorded", "after", {"log": str(log)})
         wait_for(lambda: not any(alive(pid) for pid in pids), timeout=GONE_WITHIN,
                  interval=0.2, message=f"the children {pids} to exit after their supervisor")
     finally:

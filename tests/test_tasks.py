@@ -36,12 +36,12 @@ if FRAMEWORK is None:  # pragma: no cover - every supported environment has one
 
 if FRAMEWORK == "django.tasks":
     from django.tasks import TaskResultStatus, task, task_backends
-    from django.tasks.exceptions import InvalidTask, TaskResultDoesNotExist
+    from django.tasks.exceptions import InvalidTask, TaskResultDoesNotExist, TaskResultMismatch
     from django.tasks.signals import task_enqueued, task_finished, task_started
 else:
     from django_tasks import TaskResultStatus, task, task_backends
     from django_tasks.exceptions import InvalidTaskError as InvalidTask
-    from django_tasks.exceptions import TaskResultDoesNotExist
+    from django_tasks.exceptions import TaskResultDoesNotExist, TaskResultMismatch
     from django_tasks.signals import task_enqueued, task_finished, task_started
 
 
@@ -234,6 +234,20 @@ def test_a_worker_runs_the_task_and_the_result_carries_its_return_value_and_work
     assert result.last_attempted_at == result.started_at
     assert result.errors == []
     assert Job.objects.get(pk=result.id).state == "succeeded"
+
+
+@pytest.mark.django_db
+def test_the_frameworks_own_checks_of_invalid_arguments_and_mismatched_results_hold():
+    """Ported from Django 6.0's tests/tasks/test_tasks.py (enqueue_with_invalid_argument,
+    aenqueue_with_invalid_argument, get_incorrect_result)."""
+    with pytest.raises(TypeError, match="Unsupported type"):
+        add.enqueue(datetime.datetime.now(), 1)
+    with pytest.raises(TypeError, match="Unsupported type"):
+        async_to_sync(add.aenqueue)(datetime.datetime.now(), 1)
+    assert not Job.objects.exists()
+    other = double.enqueue(1)
+    with pytest.raises(TaskResultMismatch, match="Task does not match"):
+        add.get_result(other.id)
 
 
 @pytest.mark.django_db
@@ -574,11 +588,9 @@ def test_a_return_value_that_is_not_json_fails_the_task_as_poison(run):
 
 
 @pytest.mark.django_db
-def test_a_failed_tasks_error_holds_its_formatted_traceback(run):
+def test_a_failed_tasks_error_holds_its_formatted_traceback(finish):
     """Ported from django-tasks-db's test_failing_task."""
-    result = malformed.enqueue()
-    run()
-    result.refresh()
+    result = finish(malformed.enqueue())
     traceback = result.errors[0].traceback
     assert traceback.startswith("Traceback (most recent call last):\n")
     assert ", in malformed\n" in traceback  # the task's own frame
@@ -590,11 +602,9 @@ def test_a_failed_tasks_error_holds_its_formatted_traceback(run):
 
 
 @pytest.mark.django_db
-def test_the_traceback_shows_the_raising_line_of_a_nested_exception(run):
+def test_the_traceback_shows_the_raising_line_of_a_nested_exception(finish):
     """Ported from django-tasks-db's test_complex_exception."""
-    result = nested_exception.enqueue()
-    run()
-    result.refresh()
+    result = finish(nested_exception.enqueue())
     assert result.errors[0].exception_class is ValueError
     assert 'ValueError(ValueError("This task failed"))' in result.errors[0].traceback
 
@@ -610,10 +620,8 @@ def test_every_attempt_keeps_its_own_traceback(finish):
 
 
 @pytest.mark.django_db
-def test_a_stored_traceback_is_scrubbed_of_secrets(run):
-    result = leaks_a_secret.enqueue()
-    run()
-    result.refresh()
+def test_a_stored_traceback_is_scrubbed_of_secrets(finish):
+    result = finish(leaks_a_secret.enqueue())
     traceback = result.errors[0].traceback
     assert "hunter2" not in traceback and "abc123" not in traceback
     assert "ValueError: POST https://[redacted]@api.example.org/send?token=[redacted]" in traceback
@@ -622,11 +630,9 @@ def test_a_stored_traceback_is_scrubbed_of_secrets(run):
 
 
 @pytest.mark.django_db
-def test_a_long_traceback_is_truncated_and_keeps_its_end(run, settings):
+def test_a_long_traceback_is_truncated_and_keeps_its_end(finish, settings):
     settings.DURABLE = {**getattr(settings, "DURABLE", {}), "MAX_ERROR_CHARS": 600}
-    result = long_message.enqueue()
-    run()
-    result.refresh()
+    result = finish(long_message.enqueue())
     traceback = result.errors[0].traceback
     assert len(traceback) <= 600
     assert traceback.startswith("Traceback (most recent call last):\n  …[truncated]\n")
