@@ -31,6 +31,21 @@ def check_step_timeouts(app_configs, **kwargs):
     return problems
 
 
+@checks.register()
+def check_database_timeouts(app_configs, **kwargs):
+    """A connect or dead-connection timeout that is not a positive number of seconds."""
+    from django.core.exceptions import ImproperlyConfigured
+
+    from .conf import database_timeouts
+
+    try:
+        database_timeouts()
+    except ImproperlyConfigured as exc:
+        return [checks.Error(str(exc), hint="See the configuration reference in the README.",
+                             id="durable.E030")]
+    return []
+
+
 @checks.register(checks.Tags.database)
 def check_sqlite_journal(app_configs, databases=None, **kwargs):
     """Several worker processes on SQLite need WAL, a busy timeout and immediate transactions."""

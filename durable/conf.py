@@ -6,6 +6,7 @@ Reading happens on every attribute access so that ``override_settings`` works in
 import math
 
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 
 DEFAULTS = {
     # Seconds a claim holds a job before another worker may take it over.
@@ -102,6 +103,25 @@ def connection_options(connect_timeout, dead_after):
     return options
 
 
+def database_timeouts():
+    """(DB_CONNECT_TIMEOUT, DB_DEAD_AFTER) in seconds, each None or above 0.
+
+    Raises ImproperlyConfigured, naming the setting, for anything else: a worker must
+    not start with a timeout nobody can tell the meaning of.
+    """
+    values = []
+    for name in ("DB_CONNECT_TIMEOUT", "DB_DEAD_AFTER"):
+        value = getattr(durable_settings, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value <= 0):
+            raise ImproperlyConfigured(
+                f"DURABLE['{name}'] must be a number of seconds above 0, or None for the "
+                f"driver's default; got {value!r}."
+            )
+        values.append(None if value is None else float(value))
+    return tuple(values)
+
+
 def bound_database_connections(connections_=None):
     """Add the DB_CONNECT_TIMEOUT / DB_DEAD_AFTER options to every PostgreSQL database.
 
@@ -110,8 +130,7 @@ def bound_database_connections(connections_=None):
     """
     if connections_ is None:
         from django.db import connections as connections_
-    options = connection_options(durable_settings.DB_CONNECT_TIMEOUT,
-                                 durable_settings.DB_DEAD_AFTER)
+    options = connection_options(*database_timeouts())
     for alias in connections_:
         settings_dict = connections_.settings[alias]
         if "postgresql" in settings_dict.get("ENGINE", ""):

@@ -53,6 +53,29 @@ def test_options_the_site_set_itself_are_kept_and_sqlite_is_left_alone(settings)
     assert "tcp_user_timeout" not in handler.settings["lite"].get("OPTIONS", {})
 
 
+@pytest.mark.parametrize("value", [0, -5, "10", float("nan"), float("inf"), True, [10]])
+@pytest.mark.parametrize("name", ["DB_CONNECT_TIMEOUT", "DB_DEAD_AFTER"])
+def test_a_timeout_that_is_not_seconds_above_zero_is_refused_by_name(settings, name, value):
+    from django.core import checks
+    from django.core.exceptions import ImproperlyConfigured
+
+    settings.DURABLE = {name: value}
+    handler = ConnectionHandler({"default": {"ENGINE": "django.db.backends.postgresql", "NAME": "x"}})
+    with pytest.raises(ImproperlyConfigured, match=name):
+        bound_database_connections(handler)
+    # Nothing was added to the connection's options by the refused call.
+    assert handler.settings["default"].get("OPTIONS", {}) == {}
+    errors = [e for e in checks.run_checks() if e.id == "durable.E030"]
+    assert len(errors) == 1 and name in errors[0].msg
+
+
+def test_none_leaves_the_driver_s_default(settings):
+    settings.DURABLE = {"DB_CONNECT_TIMEOUT": None, "DB_DEAD_AFTER": None}
+    handler = ConnectionHandler({"default": {"ENGINE": "django.db.backends.postgresql", "NAME": "x"}})
+    bound_database_connections(handler)
+    assert handler.settings["default"].get("OPTIONS", {}) == {}
+
+
 class _Abandoned(Exception):
     pass
 
