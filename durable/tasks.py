@@ -222,6 +222,9 @@ def _decide(exc, task, backend, ctx, max_attempts):
     error = TaskError(exception_class_path=f"{type(exc).__module__}.{type(exc).__qualname__}",
                       traceback=_stored_traceback(formatted))
     # Written to the attempt's event once the runner has recorded it (_on_step_finished).
+    # One at a time: a process runs one task at a time, and an attempt whose lease was
+    # lost meanwhile is never recorded, so its error must not linger.
+    _pending_errors.clear()
     _pending_errors[ctx.job_id] = error
     # The backoff sees the result as this attempt left it: failed, with its error.
     result = _build_result(ctx.job_id, task=task)
@@ -248,7 +251,8 @@ def _stored_traceback(formatted):
     return marker + formatted[len(formatted) - max(limit - len(marker), 0):]
 
 
-# job id -> the TaskError of the attempt that just raised in this process (see _decide).
+# job id -> the TaskError of the attempt that just raised in this process (see _decide);
+# at most one entry.
 _pending_errors = {}
 
 
