@@ -104,6 +104,10 @@ class Schedule:
             bad(f"catch_up must be one of {', '.join(CATCH_UP)}, not {self.catch_up!r}")
         if self.overlap not in OVERLAP:
             bad(f"overlap must be one of {', '.join(OVERLAP)}, not {self.overlap!r}")
+        if self.catch_up == "all" and self.overlap == "skip":
+            bad("catch_up='all' runs every missed tick, but overlap='skip' allows one run at a"
+                " time and would skip them: choose overlap='queue' (one after another) or"
+                " 'allow' (side by side)")
         if not _whole(self.max_catch_up) or self.max_catch_up < 1:
             bad(f"max_catch_up must be a whole number of at least 1, not {self.max_catch_up!r}")
         if isinstance(self.grace, bool) or not isinstance(self.grace, int | float) or not self.grace >= 0:

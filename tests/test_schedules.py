@@ -45,6 +45,7 @@ def bound(**kw):
     ({"every": 60, "catch_up": "some"}, "catch_up must be one of all, latest, none"),
     ({"every": 60, "overlap": "kill"}, "overlap must be one of skip, queue, allow"),
     ({"every": 60, "max_catch_up": 0}, "max_catch_up must be a whole number"),
+    ({"every": 60, "catch_up": "all"}, "choose overlap='queue'"),
     ({"every": 60, "grace": -1}, "grace must be a number"),
     ({"every": 60, "payload": {"when": datetime.date(2026, 1, 1)}}, "the payload is not JSON"),
     ({"every": 60, "payload": [1]}, "the payload must be a dict"),

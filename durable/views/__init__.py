@@ -5,7 +5,7 @@ The package follows ``django.contrib.admin.views``: one module per page family, 
 ``admin.py`` uses the entry points here and nothing else:
 
 - ``console_urls(site)``: the site-level pages (dashboard, reconciliation, costs,
-  approvals, pause), added to a site by ``durable.admin.install_console``;
+  approvals, schedules, pause), added to a site by ``durable.admin.install_console``;
 - ``job_urls(model_admin)``: the job verbs, bulk verbs and replay, for ``JobAdmin.get_urls``;
 - ``job_page(model_admin)``: the job page, for ``JobAdmin.change_view``;
 - ``confirm_selected(...)``: the confirmation page of an admin action on ticked jobs;
@@ -21,7 +21,7 @@ call to a verb in ``durable.services``, ``durable.reconcile`` or ``durable.appro
 
 from django.urls import path
 
-from . import approvals, bulk, costs, dashboard, jobs, reconcile
+from . import approvals, bulk, costs, dashboard, jobs, reconcile, schedules
 from .base import admin_url, chrome, page, serve, show_json, url_or_blank
 
 __all__ = ["confirm_selected", "console_urls", "job_list_context", "job_page", "job_urls",
@@ -43,6 +43,10 @@ def console_urls(admin_site):
              page(admin_site, reconcile.reconcile_decide, "POST"), name="durable_reconcile_decide"),
         path("durable/costs/", page(admin_site, costs.cost_report, "GET", "HEAD"),
              name="durable_costs"),
+        path("durable/schedules/", page(admin_site, schedules.schedule_list, "GET", "HEAD"),
+             name="durable_schedules"),
+        path("durable/schedules/<str:name>/<str:verb>/",
+             page(admin_site, schedules.schedule_act, "POST"), name="durable_schedule_act"),
         path("durable/approvals/", page(admin_site, approvals.queue, "GET", "HEAD"),
              name="durable_approvals"),
         path("durable/approvals/<int:pk>/", page(admin_site, approvals.detail, "GET", "HEAD", "POST"),

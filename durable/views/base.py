@@ -213,6 +213,7 @@ TABS = (
     Tab("reconcile", "Reconciliation", ("durable_reconcile",)),
     Tab("approvals", "Approvals", ("durable_approvals", "durable_approval_changelist")),
     Tab("costs", "Cost report", ("durable_costs",)),
+    Tab("schedules", "Schedules", ("durable_schedules",)),
 )
 
 

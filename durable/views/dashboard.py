@@ -126,6 +126,8 @@ def alert_link(admin_site, alert):
         url = tab_url(admin_site, "approvals")
     elif alert.target == "reconcile":
         url = admin_url(admin_site, "durable_reconcile")
+    elif alert.target == "schedules":
+        url = tab_url(admin_site, "schedules")
     else:
         url = ""
     return {"alert": alert, "url": url}
