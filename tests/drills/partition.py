@@ -27,6 +27,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -428,6 +429,9 @@ def main(argv=None):
     parser.add_argument("--json", help="write the row here as JSON (default: stdout)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    # SIGTERM (a parent that gives up on us) unwinds through every finally below, so
+    # the namespaces, the cluster and the workers are removed, not orphaned.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     reason = netlab.unavailable()
     if reason:
         text = json.dumps({"skipped": reason})
@@ -477,15 +481,26 @@ def run_in_subprocess(size, workdir, timeout=900):
     workdir.mkdir(parents=True, exist_ok=True)
     out = workdir / "partition.json"
     with open(workdir / "partition.log", "wb") as log:
-        result = subprocess.run(
+        child = subprocess.Popen(
             [sys.executable, "-m", "tests.drills.partition", "--size", size, "--workdir",
              str(workdir), "--json", str(out)],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
         )
+        try:
+            returncode = child.wait(timeout)
+        except BaseException:
+            # A timeout, Ctrl-C, the test runner's own timeout: let the child clean up.
+            child.terminate()
+            try:
+                child.wait(60)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+            raise
     text = out.read_text() if out.exists() else ""
     if not text:
         tail = (workdir / "partition.log").read_text(errors="replace")[-4000:]
-        raise RuntimeError(f"the partition drill exited with {result.returncode}:\n{tail}")
+        raise RuntimeError(f"the partition drill exited with {returncode}:\n{tail}")
     data = json.loads(text)
     if "skipped" in data:
         return [], data["skipped"]
