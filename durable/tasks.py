@@ -434,13 +434,7 @@ def _build_result(job_id, task=None, job=None):
     payload = job.payload or {}
     if task is None:
         task = load_task(payload.get("task", ""))
-    # The task as it was enqueued: its queue, backend alias and run_after.
-    enqueued = {"queue_name": payload.get("queue_name", job.queue),
-                "backend": payload.get("backend") or task.backend,
-                "run_after": _parse_time(payload.get("run_after"))}
-    changes = {k: v for k, v in enqueued.items() if getattr(task, k) != v}
-    if changes:
-        task = dataclasses.replace(task, **changes)
+    task = _as_enqueued(task, payload, job)
     table = registry.get(WORKFLOW).table if WORKFLOW in registry else TaskWorkflow.build_table()
     status = _status(job, table)
     events = JobEvent.objects.filter(
@@ -477,8 +471,26 @@ def _build_result(job_id, task=None, job=None):
     return result
 
 
-def _parse_time(value):
-    return datetime.datetime.fromisoformat(value) if value else None
+def _as_enqueued(task, payload, job):
+    """The task as it was enqueued: its queue, backend alias and run_after."""
+    try:
+        run_after = datetime.datetime.fromisoformat(payload["run_after"])
+    except (KeyError, TypeError, ValueError):
+        run_after = None
+    enqueued = {"queue_name": payload.get("queue_name", job.queue),
+                "backend": payload.get("backend") or task.backend, "run_after": run_after}
+    changes = {k: v for k, v in enqueued.items() if getattr(task, k) != v}
+    # An alias (or queue) since removed from TASKS cannot be set again: then the task's
+    # own backend; the result still names the alias it was sent to.
+    without_backend = {k: v for k, v in changes.items() if k != "backend"}
+    for attempt in (changes, without_backend):
+        if not attempt:
+            break
+        try:
+            return dataclasses.replace(task, **attempt)
+        except Exception:  # noqa: BLE001 - the framework's errors for a bad alias vary
+            continue
+    return task
 
 
 def _send(task_signal, backend, result):

@@ -316,6 +316,18 @@ def test_get_result_of_an_unknown_id_or_of_another_workflows_job_does_not_exist(
 
 
 @pytest.mark.django_db
+def test_a_task_sent_to_a_backend_alias_since_removed_still_runs_and_reads_back(run):
+    job = services.submit("django_task", "renamed", {"task": "tests.test_tasks.add",
+                                                     "args": [1, 2], "kwargs": {},
+                                                     "backend": "gone", "run_after": "soon"})
+    run()
+    result = add.get_result(job.pk)
+    assert result.status == TaskResultStatus.SUCCESSFUL and result.return_value == 3
+    assert result.backend == "gone" and result.task.backend == "default"
+    assert result.task.run_after is None
+
+
+@pytest.mark.django_db
 def test_the_async_twins_enqueue_and_fetch_results():
     async def go():
         result = await add.aenqueue(4, 5)
