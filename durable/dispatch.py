@@ -31,7 +31,7 @@ from django.db.models import F, Q
 from django.db.models.functions import Now
 from django.db.utils import DatabaseError, InterfaceError
 
-from . import destinations, faults, locking
+from . import destinations, faults, locking, schedules
 from .conf import durable_settings
 from .destinations import Outcome, Request
 from .exceptions import UnknownDestination, UnknownWorkflow
@@ -379,6 +379,9 @@ class Dispatcher(Drains):
         # hold the others back past their leases.
         self.threads = int(threads or self.batch_size)
         self.waiter = OutboxWaiter(poll_interval or durable_settings.POLL_INTERVAL)
+        # The dispatcher fires schedules too, so ticks are not late while every worker
+        # is inside a long step (one job per tick whoever fires it).
+        self.firer = None if burst else schedules.Firer()
         self._pool = None
         self.processed = 0
 
@@ -397,6 +400,8 @@ class Dispatcher(Drains):
             while not self._stopping:
                 try:
                     keep_connections_healthy()
+                    if self.firer is not None:
+                        self.firer.maybe_fire()
                     if self.run_once():
                         failures = 0
                         continue

@@ -1,14 +1,20 @@
 """Schedules with real processes: four firers, an outage, a firer an hour ahead."""
 
+import json
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 
+from durable.models import Job
 from tests.conftest import ON_POSTGRES
 
 from .conftest import assert_targets
 from .drills import faketime_library, skewed_env
-from .schedules import OUTAGE_SECONDS, skewed_firer, steady_and_outage
+from .lab import ROOT
+from .schedules import OUTAGE_SECONDS, STEADY_SECONDS, _config, skewed_firer, steady_and_outage
 
 pytestmark = [pytest.mark.crash, pytest.mark.django_db(transaction=True)]
 
@@ -20,7 +26,7 @@ def test_four_firers_make_one_job_per_tick_and_an_outage_follows_the_catch_up_po
     latest, every = row.extra["tick-latest"], row.extra["tick-all"]
     for figures in (latest, every):
         # While the workers were up: one job for every tick, none missing, none twice.
-        assert figures["steady_ticks"] >= size_steady(size) - 2
+        assert figures["steady_ticks"] >= STEADY_SECONDS[size.name] - 2
         assert figures["steady_jobs"] == figures["steady_ticks"]
         assert figures["missing"] == 0 and figures["not_a_tick"] == 0
         assert figures["jobs"] == figures["ticks"] - figures["missed_ticks"]
@@ -37,12 +43,6 @@ def test_four_firers_make_one_job_per_tick_and_an_outage_follows_the_catch_up_po
     assert every["jobs"] == every["ticks"]
 
 
-def size_steady(size):
-    from .schedules import STEADY_SECONDS
-
-    return STEADY_SECONDS[size.name]
-
-
 @pytest.mark.postgres
 @pytest.mark.skipif(not ON_POSTGRES, reason="the database clock is a server's on PostgreSQL only")
 @pytest.mark.skipif(faketime_library() is None and os.environ.get("CI") != "true",
@@ -56,3 +56,26 @@ def test_a_firer_an_hour_ahead_fires_by_the_database_clock(lab, size):
     assert row.extra["max_seconds_from_tick_to_job"] < 5
     assert row.extra["missing"] == 0 and row.extra["not_a_tick"] == 0
     assert row.extra["jobs"] == row.extra["ticks"] and row.extra["missed"] == 0
+
+
+def test_the_dispatcher_fires_schedules_while_no_worker_is_free(lab):
+    """A site whose workers are all inside long steps still fires its ticks on time."""
+    config = _config(lab, **{"tick-dispatcher": "latest"})
+    log_path = lab.workdir / "dispatcher-only.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "manage.py"), "runworkers", "--dispatcher-only"],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env=lab.env(DURABLE_TEST_SCHEDULES=json.dumps(config)))
+    proc.log_path = log_path
+    lab._procs.append(proc)  # killed with the lab's other processes
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and Job.objects.filter(
+            pk__startswith="schedule:tick-dispatcher:").count() < 3:
+        time.sleep(0.2)
+    lab.stop(proc)
+    jobs = Job.objects.filter(pk__startswith="schedule:tick-dispatcher:")
+    assert jobs.count() >= 3, lab.output(proc)[-2000:]
+    # Nobody ran them: only the dispatcher was up, and it fired them.
+    assert set(jobs.values_list("state", flat=True)) == {"pending"}
+    assert "fired tick" in lab.output(proc)
