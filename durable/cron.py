@@ -226,6 +226,15 @@ class Schedule:
         return f"schedule:{self.name}:{tick.astimezone(UTC):%Y-%m-%dT%H:%M:%SZ}"
 
 
+def tick_of(job_key):
+    """The tick (UTC) a scheduled job's key names, or None for another key (or a run now)."""
+    try:
+        stamp = str(job_key).rsplit(":", 3)
+        return datetime.datetime.strptime(":".join(stamp[-3:]), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+    except ValueError:
+        return None
+
+
 def _whole(value):
     return isinstance(value, int) and not isinstance(value, bool)
 

@@ -530,6 +530,8 @@ def purge(older_than, *, batch_size=500, keep_costs=None, workflow=None, dry_run
     while True:
         ids = list(candidates.order_by("updated", "pk").values_list("pk", flat=True)[:batch_size])
         if not ids:
+            if workflow is None:
+                _purge_schedule_events(older_than, batch_size, result)
             return result
         with transaction.atomic():
             if keep:
@@ -542,6 +544,22 @@ def purge(older_than, *, batch_size=500, keep_costs=None, workflow=None, dry_run
                 result.jobs += count
         if progress is not None:
             progress(result)
+
+
+def _purge_schedule_events(older_than, batch_size, result):
+    """Schedule decisions older than the cutoff go too; each schedule's state row stays."""
+    from .models import ScheduleEvent
+
+    cutoff = locking.db_now() - older_than
+    while True:
+        ids = list(ScheduleEvent.objects.filter(at__lt=cutoff).order_by("id")
+                   .values_list("pk", flat=True)[:batch_size])
+        if not ids:
+            return
+        deleted, _ = ScheduleEvent.objects.filter(pk__in=ids).delete()
+        label = ScheduleEvent._meta.label
+        result.rows[label] = result.rows.get(label, 0) + deleted
+        result.batches += 1
 
 
 def _roll_up_costs(job_ids):

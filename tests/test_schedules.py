@@ -432,3 +432,52 @@ def test_a_task_schedule_enqueues_the_task_through_the_durable_backend(db):
         runner.run(started)
     job.refresh_from_db()
     assert job.state == "succeeded" and job.result == 5
+
+
+def test_a_scheduled_job_can_read_its_tick_from_its_key():
+    s = bound(every=60)
+    assert cron.tick_of(s.job_key(utc(2026, 3, 29, 1, 0))) == utc(2026, 3, 29, 1, 0)
+    assert cron.tick_of("schedule:a:b:2026-03-29T01:00:00Z") == utc(2026, 3, 29, 1, 0)
+    assert cron.tick_of("schedule:probe:now:2026-03-29T01:00:00.123456Z") is None
+    assert cron.tick_of("doc-123") is None
+
+
+def test_overlap_queue_holds_ticks_until_the_run_in_progress_finishes(db):
+    config = {"probe": {**EVERY_SECOND["probe"], "OVERLAP": "queue", "MAX_CATCH_UP": 2,
+                        "GRACE": 30}}
+    with override_settings(DURABLE={"SCHEDULES": config}):
+        probe = schedules.declared()["probe"]
+        schedules.sync({"probe": probe})
+        since = rewind("probe", 5.5)
+        assert schedules.fire_one(probe) == 1  # one run at a time: the first tick runs
+        ticks = decided_ticks(probe, since)
+        row = ScheduleState.objects.get(pk="probe")
+        running = row.last_job
+        assert running == probe.job_key(ticks[0])
+        # The others wait, at most two; the oldest beyond that are dropped, and said so.
+        assert [cron.tick_of(probe.job_key(t)) for t in ticks[-2:]] == \
+            [schedules._parse(t).replace(microsecond=0) for t in row.queued]
+        dropped = ScheduleEvent.objects.filter(kind=ScheduleEventKind.DROPPED).first()
+        assert len(dropped.data["ticks"]) == len(ticks) - 3 and row.missed == len(ticks) - 3
+        assert ScheduleEvent.objects.filter(kind=ScheduleEventKind.QUEUED).first().job == running
+        # No new tick falls due in the passes below (as if they ran within the same second).
+        later = locking.db_now() + datetime.timedelta(seconds=30)
+        Job.objects.filter(pk=running).update(state="a_done")  # still going: between steps
+        ScheduleState.objects.filter(pk="probe").update(due_at=locking.db_now(), last_tick=later)
+        assert schedules.fire_one(probe) == 0
+        Job.objects.filter(pk=running).update(state="c_done")  # finished
+        ScheduleState.objects.filter(pk="probe").update(due_at=locking.db_now(), last_tick=later)
+        assert schedules.fire_one(probe) == 1
+    assert ScheduleState.objects.get(pk="probe").last_job == probe.job_key(ticks[-2])
+
+
+def test_purge_deletes_old_schedule_decisions_and_keeps_recent_ones(every_second):
+    rewind("probe", 20.5)
+    schedules.fire_one(every_second["probe"])
+    old = ScheduleEvent.objects.get(kind=ScheduleEventKind.MISSED)
+    ScheduleEvent.objects.filter(pk=old.pk).update(at=locking.db_now() - datetime.timedelta(days=100))
+    services.pause_schedule("probe", user="ops", reason="recent")
+    done = services.purge("90d")
+    assert done.rows.get("durable.ScheduleEvent") == 1
+    assert list(ScheduleEvent.objects.values_list("kind", flat=True)) == ["paused"]
+    assert ScheduleState.objects.filter(pk="probe").exists()
