@@ -18,6 +18,7 @@ A model missing from the table costs ``Decimal("0")`` and says so in
 ``ModelReply.priced`` (``"unpriced"``), so an unknown price is visible, not a guess.
 """
 
+import importlib
 import json
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
@@ -117,30 +118,33 @@ def price_cost(model, input_tokens, output_tokens, prices=None):
     return cost.quantize(Decimal("0.00000001")), "table"
 
 
-class OpenAIChat:
-    """The OpenAI chat-completions API through the official ``openai`` client.
+class SDKAdapter:
+    """What the adapters on an official SDK share: the client, timeouts, errors.
 
-    Works with every OpenAI-compatible server (vLLM, Ollama, LiteLLM's proxy, most
-    hosted providers) through ``base_url``. The client's own retries are off: durable
-    decides when to try again, with backoff and a memo that keeps what was paid for.
-    Timeouts are always explicit: ``timeout`` seconds to read, ``connect_timeout`` to
-    connect.
+    The client's own retries are off: durable decides when to try again, with backoff
+    and a memo that keeps what was paid for. Timeouts are always explicit:
+    ``timeout`` seconds to read, ``connect_timeout`` to connect. A subclass names its
+    SDK (``sdk``, the package; ``client_class``, the client's name in it) and builds
+    its request and reply; :meth:`send` turns the SDK's errors into retry rules.
     """
+
+    sdk = ""
+    client_class = ""
 
     def __init__(self, model, *, client=None, base_url=None, api_key=None, timeout=60.0,
                  connect_timeout=5.0, prices=None, **defaults):
         try:
-            import openai
+            self._sdk = importlib.import_module(self.sdk)
         except ImportError as exc:  # optional extra: say how to get it
-            raise ImportError("OpenAIChat needs the openai package: pip install 'django-durable[openai]'") from exc
-        self._openai = openai
+            raise ImportError(f"{type(self).__name__} needs the {self.sdk} package: "
+                              f"pip install 'django-durable[{self.sdk}]'") from exc
         self.model = model
         self.prices = prices
         self.defaults = defaults
-        self.timeout = openai.Timeout(float(timeout), connect=float(connect_timeout))
+        self.timeout = self._sdk.Timeout(float(timeout), connect=float(connect_timeout))
         if client is None:
-            client = openai.OpenAI(base_url=base_url, api_key=api_key or "unused", max_retries=0,
-                                   timeout=self.timeout)
+            client = getattr(self._sdk, self.client_class)(base_url=base_url, api_key=api_key or "unused",
+                                                            max_retries=0, timeout=self.timeout)
         else:
             client = client.with_options(max_retries=0, timeout=self.timeout)
         self.client = client
@@ -159,34 +163,44 @@ class OpenAIChat:
         """What identifies a call (model, messages, tool schemas, parameters), for the memo's fingerprint."""
         return {"model": self.model, "messages": messages, "tools": tools or [], "params": {**self.defaults, **params}}
 
-    def complete(self, messages, tools=None, **params):
-        """Call the model once; return a :class:`ModelReply` or raise a classified error."""
-        openai = self._openai
-        request = {**self.defaults, **params, "model": self.model, "messages": messages}
-        if tools:
-            request["tools"] = tools
+    def send(self, create, request):
+        """``create(**request)``, with the SDK's errors raised as durable's retry rules; the reply as a dict."""
+        sdk = self._sdk
         try:
-            response = self.client.chat.completions.create(**request)
-        except openai.APITimeoutError as exc:
+            response = create(**request)
+        except sdk.APITimeoutError as exc:
             raise RetryableError(f"model call timed out ({self.model})") from exc
-        except openai.APIConnectionError as exc:
+        except sdk.APIConnectionError as exc:
             raise RetryableError(f"model call lost its connection ({self.model}): {exc}") from exc
-        except openai.APIStatusError as exc:
+        except sdk.APIStatusError as exc:
             raise classify_status(exc.status_code, exc.response.headers.get("Retry-After"),
                                   _error_message(exc)) from exc
-        except openai.APIResponseValidationError as exc:
+        except sdk.APIResponseValidationError as exc:
             raise ModelReplyInvalid(f"unusable reply from {self.model}: {exc}", raw=str(exc.body)[:2000]) from exc
         except ValueError as exc:  # the body was not JSON at all (cut off, or an HTML error page)
             raise ModelReplyInvalid(f"unusable reply from {self.model}: {exc}", raw=getattr(exc, "doc", "")[:2000]) \
                 from exc
-        return self.parse(response)
-
-    def parse(self, response):
-        """A :class:`ModelReply` from a ``ChatCompletion``; ``ModelReplyInvalid`` when it is not one."""
         try:
-            data = response.model_dump(mode="json", warnings=False)
+            return response.model_dump(mode="json", warnings=False)
         except AttributeError as exc:
             raise ModelReplyInvalid(f"unusable reply from {self.model}", raw=repr(response)[:2000]) from exc
+
+
+class OpenAIChat(SDKAdapter):
+    """The OpenAI chat-completions API through the official ``openai`` client.
+
+    Works with every OpenAI-compatible server (vLLM, Ollama, LiteLLM's proxy, most
+    hosted providers) through ``base_url``.
+    """
+
+    sdk, client_class = "openai", "OpenAI"
+
+    def complete(self, messages, tools=None, **params):
+        """Call the model once; return a :class:`ModelReply` or raise a classified error."""
+        request = {**self.defaults, **params, "model": self.model, "messages": messages}
+        if tools:
+            request["tools"] = tools
+        data = self.send(self.client.chat.completions.create, request)
         return reply_from_completion(data, self.model, self.prices)
 
 
@@ -229,52 +243,25 @@ def reply_from_completion(data, requested_model, prices=None):
                       output_tokens=output_tokens, model=model, cost=cost, priced=priced)
 
 
-class AnthropicMessages:
+class AnthropicMessages(SDKAdapter):
     """The Anthropic Messages API through the official ``anthropic`` client.
 
     Takes and returns the same conversation as :class:`OpenAIChat` (OpenAI-style
     messages and tool schemas), so an agent can change provider without changing
     its code or its memos: system messages become ``system``, tool calls become
-    ``tool_use`` blocks and tool results ``tool_result`` blocks. Retries off,
-    timeouts explicit, errors classified as for OpenAI (429 and 5xx, 529 overloaded
-    included, retried; other 4xx poison).
+    ``tool_use`` blocks and tool results ``tool_result`` blocks. Errors are
+    classified as for OpenAI (429 and 5xx, 529 overloaded included, retried; other
+    4xx poison).
     """
 
-    def __init__(self, model, *, client=None, base_url=None, api_key=None, timeout=60.0,
-                 connect_timeout=5.0, prices=None, max_tokens=1024, **defaults):
-        try:
-            import anthropic
-        except ImportError as exc:
-            raise ImportError("AnthropicMessages needs the anthropic package: "
-                              "pip install 'django-durable[anthropic]'") from exc
-        self._anthropic = anthropic
-        self.model = model
-        self.prices = prices
-        self.defaults = {"max_tokens": max_tokens, **defaults}
-        self.timeout = anthropic.Timeout(float(timeout), connect=float(connect_timeout))
-        if client is None:
-            client = anthropic.Anthropic(base_url=base_url, api_key=api_key or "unused", max_retries=0,
-                                         timeout=self.timeout)
-        else:
-            client = client.with_options(max_retries=0, timeout=self.timeout)
-        self.client = client
+    sdk, client_class = "anthropic", "Anthropic"
 
-    def close(self):
-        """Close the client's connection pool (an adapter is meant to live as long as its process)."""
-        self.client.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc_info):
-        self.close()
-
-    def fingerprint_input(self, messages, tools=None, **params):
-        return {"model": self.model, "messages": messages, "tools": tools or [], "params": {**self.defaults, **params}}
+    def __init__(self, model, *, max_tokens=1024, **options):
+        super().__init__(model, **options)
+        self.defaults = {"max_tokens": max_tokens, **self.defaults}
 
     def complete(self, messages, tools=None, **params):
         """Call the model once; return a :class:`ModelReply` or raise a classified error."""
-        anthropic = self._anthropic
         system, converted = to_anthropic_messages(messages)
         request = {**self.defaults, **params, "model": self.model, "messages": converted}
         if system:
@@ -282,21 +269,8 @@ class AnthropicMessages:
         if tools:
             request["tools"] = [{"name": t["function"]["name"], "description": t["function"].get("description", ""),
                                  "input_schema": t["function"]["parameters"]} for t in tools]
-        try:
-            response = self.client.messages.create(**request)
-        except anthropic.APITimeoutError as exc:
-            raise RetryableError(f"model call timed out ({self.model})") from exc
-        except anthropic.APIConnectionError as exc:
-            raise RetryableError(f"model call lost its connection ({self.model}): {exc}") from exc
-        except anthropic.APIStatusError as exc:
-            raise classify_status(exc.status_code, exc.response.headers.get("Retry-After"),
-                                  _error_message(exc)) from exc
-        except anthropic.APIResponseValidationError as exc:
-            raise ModelReplyInvalid(f"unusable reply from {self.model}: {exc}", raw=str(exc.body)[:2000]) from exc
-        except ValueError as exc:
-            raise ModelReplyInvalid(f"unusable reply from {self.model}: {exc}", raw=getattr(exc, "doc", "")[:2000]) \
-                from exc
-        return reply_from_anthropic(response.model_dump(mode="json", warnings=False), self.model, self.prices)
+        data = self.send(self.client.messages.create, request)
+        return reply_from_anthropic(data, self.model, self.prices)
 
 
 def to_anthropic_messages(messages):
