@@ -26,7 +26,8 @@ Faults are queued with :meth:`FakeModelServer.fault` and apply to the next reque
 a body cut off mid-JSON), ``slow`` (the reply
 after ``delay`` seconds), ``drop`` (the request is read, then the connection closes
 with no reply: the model did the work and the caller cannot know). :meth:`hold`
-keeps replies back until released, so a test can kill a worker during a call.
+keeps replies back until released (all of them, or those whose request matches a
+predicate), so a test can kill a worker during a call.
 
 Standard library only, like :mod:`durable.testing`'s receiver: it must run wherever
 the tests run and must not share a bug with the client it checks.
@@ -170,7 +171,7 @@ class _Handler(BaseHTTPRequestHandler):
         if fault and fault.mode == "truncated":
             self._send(200, b'{"object": "chat.completion", "choices": [{"index": 0, "mess')
             return
-        owner._wait_for_release()
+        owner._wait_for_release(body)
         try:
             answer = wire(owner._scripted(body, turn), body, turn, default_model=owner.model)
         except Exception as exc:  # a broken script is the test's bug: say so in the reply
@@ -204,6 +205,7 @@ class FakeModelServer:
         self._lock = threading.Lock()
         self._released = threading.Event()
         self._released.set()
+        self._hold_match = None
         self._arrived = threading.Condition(self._lock)
         self._server = _Server(("127.0.0.1", port), _Handler)
         self._server.owner = self
@@ -243,23 +245,32 @@ class FakeModelServer:
         with self._lock:
             self._faults.append(_Fault(mode, times, float(retry_after), float(delay)))
 
-    def hold(self):
-        """Keep every reply back until :meth:`release` (requests are still recorded)."""
-        self._released.clear()
+    def hold(self, match=None):
+        """Keep replies back until :meth:`release` (requests are still recorded).
+
+        ``match(body) -> bool`` holds only the requests it is true for (say, one
+        conversation at one turn); the others are answered as usual.
+        """
+        with self._lock:
+            self._hold_match = match
+            self._released.clear()
 
     def release(self):
         self._released.set()
 
-    def wait_for_calls(self, count, timeout=30.0):
-        """Block until ``count`` requests arrived; return the calls, or raise TimeoutError."""
+    def wait_for_calls(self, count, timeout=30.0, match=None):
+        """Block until ``count`` requests arrived (those ``match(body)`` accepts, if given).
+
+        Returns those calls, or raises TimeoutError.
+        """
         deadline = time.monotonic() + timeout
         with self._arrived:
-            while len(self.calls) < count:
+            while len(found := [c for c in self.calls if match is None or match(c.body)]) < count:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"{len(self.calls)} of {count} model calls arrived in {timeout:g} s")
+                    raise TimeoutError(f"{len(found)} of {count} model calls arrived in {timeout:g} s")
                 self._arrived.wait(left)
-            return list(self.calls)
+            return found
 
     def paid_calls(self):
         """Calls the model answered (and a provider would charge): ok, slow and dropped."""
@@ -283,8 +294,11 @@ class FakeModelServer:
             fault.times -= 1
             return fault
 
-    def _wait_for_release(self):
-        self._released.wait()
+    def _wait_for_release(self, body):
+        with self._lock:
+            match = self._hold_match
+        if match is None or match(body):
+            self._released.wait()
 
     def _scripted(self, body, turn):
         if callable(self.script):

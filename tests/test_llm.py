@@ -154,6 +154,29 @@ def test_a_held_reply_lets_a_test_act_while_the_call_is_in_flight(server):
     assert results[0].tool_calls[0].name == "lookup_order"
 
 
+def test_a_hold_with_a_predicate_keeps_back_only_the_matching_conversation(server):
+    import threading
+
+    def about(order):
+        return lambda body: order in body["messages"][0]["content"]
+
+    server.hold(about("A-2"))
+    held = []
+    thread = threading.Thread(target=lambda: held.append(chat(server).complete(
+        [{"role": "user", "content": "Where is order A-2?"}])))
+    thread.start()
+    server.wait_for_calls(1, timeout=10, match=about("A-2"))
+    # Another conversation is answered while the matching one waits.
+    assert chat(server).complete(MESSAGES).tool_calls[0].name == "lookup_order"
+    assert held == []
+    assert len(server.wait_for_calls(2, timeout=10)) == 2
+    with pytest.raises(TimeoutError, match="1 of 2 model calls"):
+        server.wait_for_calls(2, timeout=0.2, match=about("A-2"))
+    server.release()
+    thread.join(10)
+    assert held[0].tool_calls[0].name == "lookup_order"
+
+
 def test_the_memo_form_round_trips(server):
     result = chat(server).complete(MESSAGES)
     assert ModelReply.from_memo(result.as_memo()) == result
