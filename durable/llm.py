@@ -115,7 +115,8 @@ def price_cost(model, input_tokens, output_tokens, prices=None):
     input_price = _decimal(entry.get("input", 0), f"MODEL_PRICES[{model!r}]['input']")
     output_price = _decimal(entry.get("output", 0), f"MODEL_PRICES[{model!r}]['output']")
     cost = (input_price * input_tokens + output_price * output_tokens) / MILLION
-    return cost.quantize(Decimal("0.00000001")), "table"
+    # Six decimals, as the memo ledger keeps them: the reply's cost is the recorded cost.
+    return cost.quantize(Decimal("0.000001")), "table"
 
 
 class SDKAdapter:
