@@ -8,21 +8,26 @@ from .exceptions import (
     DurableError,
     IdempotencyConflict,
     IllegalTransition,
+    JobFinished,
     LeaseLost,
     OperatorError,
     PayloadInvalid,
     PermanentError,
     RetryableError,
+    SignalConflict,
+    SignalRefused,
     StepTimeout,
+    UnknownJob,
     UnknownWorkflow,
 )
-from .workflows import Action, NeedsHuman, Output, Retry, Wait, Workflow, registry, step
+from .workflows import TIMED_OUT, Action, NeedsHuman, Output, Retry, Wait, Workflow, registry, step
 
 __all__ = [
     "Action",
     "DurableError",
     "IdempotencyConflict",
     "IllegalTransition",
+    "JobFinished",
     "LeaseLost",
     "NeedsHuman",
     "OperatorError",
@@ -32,12 +37,17 @@ __all__ = [
     "Retry",
     "RetryableError",
     "Schedule",
+    "SignalConflict",
+    "SignalRefused",
     "StepTimeout",
+    "TIMED_OUT",
+    "UnknownJob",
     "UnknownWorkflow",
     "Wait",
     "Workflow",
     "enqueue",
     "registry",
+    "signal",
     "step",
     "submit",
 ]
@@ -55,3 +65,10 @@ def enqueue(task, *args, key=None, **kwargs):
     from .tasks import enqueue as _enqueue
 
     return _enqueue(task, *args, key=key, **kwargs)
+
+
+def signal(job_key, name, payload=None, *, dedupe_key=None, source="api"):
+    """Deliver the signal ``name`` to the job ``job_key``'s inbox; see ``durable.inbox.signal``."""
+    from .inbox import signal as _signal
+
+    return _signal(job_key, name, payload, dedupe_key=dedupe_key, source=source)

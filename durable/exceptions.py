@@ -123,3 +123,25 @@ class TaskNotFound(DurableError, LookupError):
 
 class TaskCancelled(DurableError):
     """An operator cancelled the task's job before it succeeded; it will not run again."""
+
+
+class SignalRefused(DurableError):
+    """A signal was refused (no such job, or the job finished). Nothing was written.
+
+    Retrying the same signal cannot succeed: a finished job has no wait left to read it.
+    """
+
+
+class UnknownJob(SignalRefused, LookupError):
+    """There is no job with this key. Nothing was written."""
+
+
+class JobFinished(SignalRefused):
+    """The job already reached a terminal state. Nothing was written."""
+
+
+class SignalConflict(IdempotencyConflict):
+    """A signal with this dedupe key exists with another payload. Nothing was written.
+
+    The first delivery stands; send a new dedupe key for a new message.
+    """

@@ -16,7 +16,7 @@ from django.utils.dateparse import parse_datetime
 from .conf import durable_settings
 from .exceptions import IllegalTransition
 from .models import EventKind, Job, JobEvent
-from .states import StateKind
+from .states import RESUMING_KINDS, SETTLED_KINDS, StateKind
 
 
 def is_postgres(conn=None):
@@ -56,11 +56,12 @@ class Claimed:
 
     __slots__ = (
         "id", "workflow", "state", "attempts", "lease_token", "payload", "wake_at",
-        "db_now", "previous_owner", "owner", "started_step",
+        "db_now", "previous_owner", "owner", "started_step", "parent_id",
     )
 
-    def __init__(self, started_step=None, **kw):
+    def __init__(self, started_step=None, parent_id=None, **kw):
         self.started_step = started_step
+        self.parent_id = parent_id
         for k, v in kw.items():
             setattr(self, k, v)
 
@@ -151,7 +152,7 @@ class Starts:
             for state, kind in table.kinds.items():
                 if kind in (StateKind.INITIAL, StateKind.READY):
                     states, timer = table.step_starting_at(state), False
-                elif kind == StateKind.TIMER:
+                elif kind in RESUMING_KINDS:
                     states, timer = table.step_of(state), True
                 else:
                     continue
@@ -192,14 +193,15 @@ WITH candidate AS (
     WHERE j.id = c.id
     RETURNING j.id, j.workflow, j.state, j.attempts, j.lease_token, j.payload::text AS payload,
               j.wake_at, statement_timestamp() AS now, c.previous_owner, c.state AS previous_state,
-              s.step, s.timer
+              s.step, s.timer, j.parent_id
 ), started AS (
     INSERT INTO durable_jobevent (job_id, at, kind, from_state, to_state, step, actor, message, data)
     SELECT id, now, 'claimed', previous_state, state, step, %(owner)s,
            CASE WHEN timer THEN 'timer fired' ELSE 'attempt ' || attempts END, NULL
     FROM taken WHERE step IS NOT NULL
 )
-SELECT id, workflow, state, attempts, lease_token, payload, wake_at, now, previous_owner, step
+SELECT id, workflow, state, attempts, lease_token, payload, wake_at, now, previous_owner, step,
+       parent_id
 FROM taken
 """
 
@@ -223,7 +225,7 @@ SET lease_owner = ?,
     state = coalesce(?, state),
     attempts = CASE WHEN ? IS NULL THEN attempts WHEN ? THEN max(attempts, 1) ELSE attempts + 1 END
 WHERE id = ?
-RETURNING id, workflow, state, attempts, lease_token, payload, wake_at, {_SQLITE_NOW}
+RETURNING id, workflow, state, attempts, lease_token, payload, wake_at, {_SQLITE_NOW}, parent_id
 """
 
 _SQLITE_EVENT = (
@@ -312,6 +314,7 @@ def _claimed(row, owner, previous_owner, started_step):
         previous_owner=previous_owner,
         owner=owner,
         started_step=started_step,
+        parent_id=row[10] if len(row) > 10 else row[8],
     )
 
 
@@ -465,6 +468,13 @@ def transition(
         previous = to
     JobEvent.objects.bulk_create(events)
     job.state = current
+    if table.kinds.get(current) in SETTLED_KINDS:
+        parent_id = job.parent_id if hasattr(job, "parent_id") else (
+            Job.objects.filter(pk=job.pk).values_list("parent_id", flat=True).first())
+        if parent_id is not None:
+            from .children import wake_parent
+
+            wake_parent(parent_id, job.pk)
     return True
 
 

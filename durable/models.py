@@ -53,6 +53,14 @@ class Job(models.Model):
     wake_at = models.DateTimeField(_("wake at"), null=True, blank=True)
     last_error = models.TextField(_("last error"), blank=True, default="")
     submitted_by = models.CharField(_("submitted by"), max_length=150, blank=True, default="")
+    # A child job's parent (ctx.spawn); the parent's join is woken by its last child.
+    parent = models.ForeignKey(
+        "self", on_delete=models.SET_NULL, null=True, blank=True, related_name="children",
+        verbose_name=_("parent"),
+    )
+    # The key of the Wait this job is parked on ("" when none): a signal of that wait's
+    # name, or the last of its children, makes it due now and clears this.
+    awaiting = models.CharField(_("awaiting"), max_length=200, blank=True, default="", db_default="")
     # Stamped by the database clock, like every time durable compares.
     created = models.DateTimeField(_("created"), db_default=Now())
     updated = models.DateTimeField(_("updated"), auto_now=True)
@@ -82,6 +90,7 @@ class Job(models.Model):
             ("send_back_job", "Can send back a job that needs a human"),
             ("replay_step", "Can replay a step and replace its memo"),
             ("pause_workflow", "Can pause and resume workflows"),
+            ("send_signal", "Can deliver a signal to a job by hand"),
         ]
 
     def __str__(self):
@@ -299,6 +308,69 @@ class Pause(models.Model):
         return f"{self.workflow} paused by {self.paused_by or 'unknown'}"
 
 
+class Signal(models.Model):
+    """A message from outside to one job, kept in its inbox until a wait consumes it."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="inbox", db_index=False)
+    name = models.CharField(_("name"), max_length=100)
+    payload = models.JSONField(_("payload"), null=True, encoder=DjangoJSONEncoder)
+    # The sender's id of this message: the same key twice is one signal.
+    dedupe_key = models.CharField(_("dedupe key"), max_length=200)
+    # Who sent it: "api", "webhook:<source>", "console:<user>".
+    source = models.CharField(_("source"), max_length=200, blank=True, default="")
+    # The key of the wait that consumed it, and when ("" / NULL: still in the inbox).
+    consumed_key = models.CharField(_("consumed by"), max_length=200, blank=True, default="")
+    consumed_at = models.DateTimeField(_("consumed at"), null=True, blank=True)
+    created = models.DateTimeField(_("created"), db_default=Now())
+
+    class Meta:
+        verbose_name = _("signal")
+        verbose_name_plural = _("signals")
+        ordering = ["job", "id"]
+        constraints = [
+            models.UniqueConstraint(fields=["job", "name", "dedupe_key"], name="durable_one_signal_per_key"),
+        ]
+        # A wait reads the oldest unconsumed signal of its name.
+        indexes = [models.Index(fields=["job", "name", "consumed_key", "id"], name="durable_signal_inbox")]
+
+    def __str__(self):
+        return f"{self.job_id} <- {self.name} ({self.dedupe_key})"
+
+
+class WaitKind(models.TextChoices):
+    SIGNAL = "signal", _("signal")
+    JOIN = "join", _("children")
+
+
+class Wait(models.Model):
+    """One wait of a job under its key: the deadline, then the outcome, recorded once."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="waits", db_index=False)
+    key = models.CharField(_("key"), max_length=200)
+    kind = models.CharField(_("kind"), max_length=10, choices=WaitKind.choices)
+    # The signal name, or "" for a join.
+    name = models.CharField(_("name"), max_length=100, blank=True, default="")
+    deadline = models.DateTimeField(_("deadline"), null=True, blank=True)
+    # A join's children ({"children": [ids]}).
+    data = models.JSONField(_("data"), null=True, blank=True, encoder=DjangoJSONEncoder)
+    # "signal", "timed_out" or "joined" once resolved; the value the wait returns.
+    outcome = models.CharField(_("outcome"), max_length=20, blank=True, default="")
+    result = models.JSONField(_("result"), null=True, blank=True, encoder=DjangoJSONEncoder)
+    signal = models.ForeignKey(Signal, on_delete=models.SET_NULL, null=True, blank=True,
+                               related_name="+", verbose_name=_("signal"))
+    created = models.DateTimeField(_("created"), db_default=Now())
+    resolved = models.DateTimeField(_("resolved"), null=True, blank=True)
+
+    class Meta:
+        verbose_name = _("wait")
+        verbose_name_plural = _("waits")
+        ordering = ["job", "id"]
+        constraints = [models.UniqueConstraint(fields=["job", "key"], name="durable_one_wait_per_key")]
+
+    def __str__(self):
+        return f"{self.job_id}/{self.key} [{self.outcome or 'waiting'}]"
+
+
 class EventKind(models.TextChoices):
     SUBMITTED = "submitted", _("submitted")  # the job was created
     TRANSITION = "transition", _("transition")  # the state changed
@@ -310,6 +382,7 @@ class EventKind(models.TextChoices):
     ACTION = "action", _("action")  # the outbox recorded an attempt or an outcome
     APPROVAL = "approval", _("approval")  # a proposal was written or decided
     OPERATOR = "operator", _("operator action")  # a person acted through the console or CLI
+    SIGNAL = "signal", _("signal")  # a signal arrived, woke the job, or a wait ended
 
 
 class JobEvent(models.Model):

@@ -507,10 +507,11 @@ _NEXT_MOVE = {
 def oldest_unfinished(*, now=None, workflow=None):
     """The job that has gone longest without moving, outside terminal states and timers."""
     now = now or locking.db_now()
-    timers = kind_q(StateKind.TIMER, workflow=workflow)
+    # Timers and waits on signals or children hold jobs by design until they are due.
+    timers = kind_q(StateKind.TIMER, StateKind.SIGNAL, StateKind.JOIN, workflow=workflow)
     return (
         scoped(Job.objects.filter(unfinished_q(workflow)), workflow)
-        .exclude(timers & Q(next_run_at__gt=now))
+        .exclude(timers & (Q(next_run_at__gt=now) | Q(next_run_at__isnull=True)))
         .order_by("updated", "pk")
         .first()
     )

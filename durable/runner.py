@@ -14,13 +14,13 @@ from django.db import DataError, transaction
 
 from . import faults, locking
 from .conf import durable_settings
-from .exceptions import UnknownWorkflow
+from .exceptions import LeaseLost, UnknownWorkflow
 from .models import EventKind, Job, JobEvent, StepResult
 from .retry import backoff, classify, describe, scrub
 from .serialization import storable_json
 from .signals import job_finished, step_finished, step_started
-from .states import StateKind
-from .workflows import Action, Context, NeedsHuman, Output, Wait, registry
+from .states import RESUMING_KINDS, StateKind
+from .workflows import Action, Context, NeedsHuman, Output, Wait, WaitingOn, registry
 
 logger = logging.getLogger("durable.worker")
 
@@ -114,7 +114,7 @@ class Runner:
                 kind=EventKind.CLAIMED, message=f"attempt {attempt}", table=table,
                 fields={"attempts": attempt},
             )
-        elif kind == StateKind.TIMER:
+        elif kind in RESUMING_KINDS:
             states = table.step_of(claimed.state)
             step = workflow.steps_by_name[states.step]
             attempt = max(claimed.attempts, 1)
@@ -191,7 +191,7 @@ class Runner:
         ctx = Context(
             job_id=claimed.id, workflow=started.workflow.name, step=step.name,
             attempt=started.attempt, payload=claimed.payload, memos=memos,
-            db_now=claimed.db_now, wake_at=claimed.wake_at,
+            db_now=claimed.db_now, wake_at=claimed.wake_at, lease_token=claimed.lease_token,
         )
         if step_started.receivers and step_started.has_listeners(started.workflow.name):
             step_started.send(started.workflow.name, job_id=claimed.id, step=step.name,
@@ -206,6 +206,11 @@ class Runner:
             return self._needs_human(started, signal_.reason)
         except Wait as signal_:
             return self._wait(started, signal_)
+        except WaitingOn as waiting:
+            return self._suspend(started, waiting)
+        except LeaseLost:
+            self._lost(started)
+            return None
         except Exception as exc:  # noqa: BLE001 - every failure is classified below
             return self._failed(started, exc, time.monotonic() - began)
         finally:
@@ -305,7 +310,16 @@ class Runner:
             if write_memo else None,
         )
         then_claim = (self.owner, self.workflows, self.queues, self._refresh_starts()) if chain else None
-        ok, claimed_next = locking.complete_step(claimed, path, then_claim=then_claim, **fields)
+        if terminal and claimed.parent_id is not None:
+            # A child's finishing transaction wakes its parent's join when it is the last.
+            from .children import wake_parent
+
+            with transaction.atomic():
+                ok, claimed_next = locking.complete_step(claimed, path, then_claim=then_claim, **fields)
+                if ok:
+                    wake_parent(claimed.parent_id, claimed.id)
+        else:
+            ok, claimed_next = locking.complete_step(claimed, path, then_claim=then_claim, **fields)
         if ok:
             claimed.state = path[-1]
         return ok, claimed_next
@@ -352,6 +366,41 @@ class Runner:
             return None
         logger.info("%s job=%s step=%s waiting until %s", self.owner, started.claimed.id,
                     started.step.name, until.isoformat())
+        self._signal_finished(started, "waiting")
+        return None
+
+    def _suspend(self, started, waiting):
+        """Park the step on a signal or its children: no lease, due at the deadline or on a wake."""
+        from .inbox import park
+
+        states = started.states
+        state, option, call = ((states.signal, "signals", "wait_for") if waiting.kind == "signal"
+                               else (states.join, "joins", "join"))
+        if state is None:
+            return self._failed(
+                started,
+                TypeError(f"step {started.step.name} called ctx.{call}() but is not declared with "
+                          f"{option}=True"),
+                0,
+            )
+        until = waiting.deadline
+        what = f"signal {waiting.name}" if waiting.kind == "signal" else (
+            f"{len(waiting.data['children'])} children")
+        with transaction.atomic():
+            ok = locking.transition(
+                started.claimed, state, token=started.claimed.lease_token, actor=self.owner,
+                step=started.step.name, table=started.table,
+                message=f"waiting for {what}" + (f" until {until.isoformat()}" if until else ""),
+                fields={"next_run_at": until, "lease_until": None, "lease_owner": None,
+                        "awaiting": waiting.key},
+            )
+            if ok:
+                park(started.claimed, waiting)
+        if not ok:
+            self._lost(started)
+            return None
+        logger.info("%s job=%s step=%s waiting for %s", self.owner, started.claimed.id,
+                    started.step.name, what)
         self._signal_finished(started, "waiting")
         return None
 

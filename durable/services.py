@@ -185,8 +185,19 @@ def retry_now(job_id, *, user=None, reason=""):
         return job
 
 
-def cancel(job_id, *, user=None, reason=""):
-    """Cancel a job from any non-terminal state; a worker running it is fenced out."""
+def cancel(job_id, *, user=None, reason="", children=False):
+    """Cancel a job from any non-terminal state; a worker running it is fenced out.
+
+    ``children=True`` first cancels the job's unfinished child jobs (and theirs), each
+    in its own transaction, so that none is left running for a parent that is gone.
+    """
+    if children:
+        for child in unfinished_children(job_id):
+            try:
+                cancel(child, user=user, reason=f"parent {job_id} cancelled. {reason}".strip(),
+                       children=True)
+            except OperatorError:
+                pass  # it finished (or was cancelled) meanwhile
     with transaction.atomic():
         job = _get_for_update(job_id)
         if job.table.is_terminal(job.state):
@@ -202,6 +213,14 @@ def cancel(job_id, *, user=None, reason=""):
             status=ApprovalStatus.SUPERSEDED, note="job cancelled"
         )
         return job
+
+
+def unfinished_children(job_id):
+    """Ids of ``job_id``'s child jobs that are not in a terminal state, in key order."""
+    from .children import terminal_q
+
+    return list(Job.objects.filter(parent_id=job_id).exclude(terminal_q()).order_by("pk")
+                .values_list("pk", flat=True))
 
 
 def send_back(job_id, *, to_state=None, user=None, reason=""):

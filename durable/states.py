@@ -21,6 +21,8 @@ class StateKind(models.TextChoices):
     READY = "ready", "between steps"  # a step finished; the next one may start
     WORKING = "working", "running a step"  # a worker holds (or held) the lease
     TIMER = "timer", "waiting for a time"  # a durable timer: claimable at next_run_at
+    SIGNAL = "signal", "waiting for a signal"  # claimable when a signal arrives or at the deadline
+    JOIN = "join", "waiting for its children"  # claimable when the last child finishes or at the deadline
     APPROVAL = "approval", "awaiting approval"  # a proposal waits for a human decision
     IN_FLIGHT = "in_flight", "action in flight"  # the outbox dispatcher owns the next move
     UNKNOWN = "unknown", "action result unknown"  # reconciliation decides what happened
@@ -38,7 +40,12 @@ class StateKind(models.TextChoices):
         return self in (StateKind.APPROVAL, StateKind.UNKNOWN, StateKind.HUMAN, StateKind.FAILED)
 
 
-CLAIMABLE_KINDS = frozenset({StateKind.INITIAL, StateKind.READY, StateKind.WORKING, StateKind.TIMER})
+CLAIMABLE_KINDS = frozenset({StateKind.INITIAL, StateKind.READY, StateKind.WORKING, StateKind.TIMER,
+                             StateKind.SIGNAL, StateKind.JOIN})
+# The kinds a waiting step resumes from like a timer: the step runs again from the top.
+RESUMING_KINDS = frozenset({StateKind.TIMER, StateKind.SIGNAL, StateKind.JOIN})
+# The kinds a parent's join counts a child as finished in (failed: until it is requeued).
+SETTLED_KINDS = frozenset({StateKind.TERMINAL, StateKind.FAILED})
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,8 @@ class StepStates:
     approval: str | None = None
     in_flight: str | None = None
     unknown: str | None = None
+    signal: str | None = None
+    join: str | None = None
 
 
 @dataclass
@@ -104,7 +113,8 @@ class TransitionTable:
     def step_of(self, state):
         """The step a working, waiting or failed state belongs to."""
         for s in self.steps:
-            if state in (s.working, s.timer, s.approval, s.in_flight, s.unknown) or (
+            if state in (s.working, s.timer, s.signal, s.join, s.approval, s.in_flight,
+                         s.unknown) or (
                 state == s.failure and state != s.human
             ):
                 return s
@@ -215,6 +225,8 @@ def derive(steps):
             approval=f"awaiting_approval_{st.name}" if st.approval else None,
             in_flight=f"in_flight_{st.name}" if st.action else None,
             unknown=f"unknown_{st.name}" if st.action else None,
+            signal=f"awaiting_signal_{st.name}" if st.signals else None,
+            join=f"joining_{st.name}" if st.joins else None,
         )
         step_states.append(states)
         add(before, st.working)
@@ -227,16 +239,20 @@ def derive(steps):
         # An action step reaches done from working only when its action was confirmed
         # earlier (the step was sent back past it): the recorded result is its memo.
         outs.append(st.done)
-        if states.timer:
-            outs.append(states.timer)
+        for waiting in (states.timer, states.signal, states.join):
+            if waiting:
+                outs.append(waiting)
         outs.append(failure)
         if st.needs_human and failure != NEEDS_HUMAN:
             outs.append(NEEDS_HUMAN)
         outs.append(before)  # the retry edge
         add(st.working, *outs)
-        if states.timer:
-            add(states.timer, st.working)
-            kinds[states.timer] = StateKind.TIMER
+        for waiting, kind in ((states.timer, StateKind.TIMER), (states.signal, StateKind.SIGNAL),
+                              (states.join, StateKind.JOIN)):
+            if waiting:
+                # A waiting step runs again from the top when it is due; cancel is implicit.
+                add(waiting, st.working)
+                kinds[waiting] = kind
         if states.approval:
             # approved -> dispatch; superseded -> prepare again from current inputs;
             # rejected -> where the step says (cancelled by default, or needs_human).
@@ -273,7 +289,8 @@ def _design_order(edges, step_states):
     """Order states as a reader expects: the happy path, then waiting, human, failed, terminal."""
     order = [INITIAL]
     for st in step_states:
-        for s in (st.working, st.timer, st.approval, st.in_flight, st.unknown, st.done):
+        for s in (st.working, st.timer, st.signal, st.join, st.approval, st.in_flight, st.unknown,
+                  st.done):
             if s and s not in order:
                 order.append(s)
     tail_first = [s for s in edges if s not in order and s == NEEDS_HUMAN]

@@ -56,6 +56,9 @@ class Step:
     needs_human: bool = False
     on_failure: str = "failed"  # or "needs_human": failures park the job for a person
     waits: bool = False
+    # ctx.wait_for() parks in awaiting_signal_<step>; ctx.join() parks in joining_<step>.
+    signals: bool = False
+    joins: bool = False
     # Actions (see durable.dispatch): the step returns an Action instead of doing it.
     action: bool = False
     approval: object = False  # True, or a predicate(action, ctx) -> bool
@@ -81,6 +84,8 @@ def step(
     needs_human=False,
     on_failure=None,
     waits=False,
+    signals=False,
+    joins=False,
     action=False,
     approval=False,
     approval_expiry=None,
@@ -99,6 +104,8 @@ def step(
             needs_human=needs_human,
             on_failure=on_failure or ("needs_human" if needs_human else "failed"),
             waits=waits,
+            signals=signals,
+            joins=joins,
             action=action or bool(approval),
             approval=approval,
             approval_expiry=approval_expiry,
@@ -248,6 +255,41 @@ class Wait(Exception):  # noqa: N818 - a signal, not an error
         self.seconds = seconds
 
 
+class _TimedOut:
+    """What a wait returns when its deadline passed first: ``durable.TIMED_OUT`` (falsy)."""
+
+    _instance = None
+
+    def __new__(cls):
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __bool__(self):
+        return False
+
+    def __repr__(self):
+        return "durable.TIMED_OUT"
+
+    def __reduce__(self):
+        return (_TimedOut, ())
+
+
+TIMED_OUT = _TimedOut()
+
+
+class WaitingOn(Exception):  # noqa: N818 - a signal, not an error
+    """Raised by ctx.wait_for() and ctx.join(): park the step on the wait ``key`` until it is due."""
+
+    def __init__(self, kind, key, name, deadline, data=None):
+        super().__init__(key)
+        self.kind = kind
+        self.key = key
+        self.name = name
+        self.deadline = deadline
+        self.data = data
+
+
 @dataclass
 class Output:
     """A step's return value with its cost: ``return Output(data, cost=Decimal("0.012"))``."""
@@ -270,8 +312,11 @@ class Action:
 class Context:
     """What a step sees of its job: ids, the attempt, earlier memos, cost and timers."""
 
-    def __init__(self, *, job_id, workflow, step, attempt, payload, memos, db_now, wake_at=None):
+    def __init__(self, *, job_id, workflow, step, attempt, payload, memos, db_now, wake_at=None,
+                 lease_token=None):
         self.job_id = job_id
+        self.lease_token = lease_token
+        self._keys = {}
         self.workflow = workflow
         self.step = step
         self.attempt = attempt
@@ -299,3 +344,46 @@ class Context:
     def sleep(self, seconds):
         """Wait durably for ``seconds`` from the first time this step asked."""
         self.sleep_until(self.db_now + datetime.timedelta(seconds=seconds))
+
+    def key(self, kind, name):
+        """The stable key of this step's next ``kind`` call on ``name``: ``<step>/wait/<name>``.
+
+        A second call with the same kind and name in one run of the step gets ``#2``,
+        and so on: a loop that waits on one name reads successive signals.
+        """
+        base = f"{self.step}/{kind}/{name}" if name else f"{self.step}/{kind}"
+        count = self._keys[base] = self._keys.get(base, 0) + 1
+        return base if count == 1 else f"{base}#{count}"
+
+    def wait_for(self, name, timeout=None):
+        """The payload of the oldest unconsumed signal ``name``, or ``durable.TIMED_OUT``.
+
+        Without one the step parks (declare it with ``signals=True``), holding no worker
+        and no lease, until such a signal arrives or ``timeout`` (seconds or a timedelta
+        from the first time this step asked) passes. Recorded once: a re-run of the
+        step returns the same payload, or TIMED_OUT again.
+        """
+        from .inbox import wait_for
+
+        return wait_for(self, name, timeout)
+
+    def spawn(self, workflow, key, payload, queue="default"):
+        """Submit one child job ``<job>/<workflow>/<key>`` linked to this one; returns its id."""
+        return self.spawn_many(workflow, {key: payload}, queue=queue)[0]
+
+    def spawn_many(self, workflow, children, queue="default"):
+        """Submit the child jobs ``{key: payload}`` in one transaction (all or none); their ids."""
+        from .children import spawn_many
+
+        return spawn_many(self, workflow, children, queue=queue)
+
+    def join(self, children, timeout=None):
+        """``{child id: outcome}`` in key order once every child finished; parks until then.
+
+        An outcome is ``{"outcome": "ok", "state", "result"}``, ``"failed"`` (with
+        ``error``), ``"cancelled"``, or past ``timeout`` ``"timed_out"`` for a child
+        still running. Declare the step with ``joins=True``. Recorded once.
+        """
+        from .children import join
+
+        return join(self, children, timeout)

@@ -136,4 +136,5 @@ from . import (  # noqa: E402, F401
     actions_workflows,
     approval_workflows,
     drill_workflows,
+    wait_workflows,
 )

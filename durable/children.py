@@ -1,0 +1,172 @@
+"""Child jobs: spawned in the parent's transaction, joined without holding a worker.
+
+``ctx.spawn(workflow, key, payload)`` and ``ctx.spawn_many(workflow, {key: payload})``
+submit ordinary jobs with the id ``<parent>/<workflow>/<key>`` and the parent as
+their ``parent``, in one transaction fenced by the parent's lease: a crash spawns all
+of them or none, and a re-run of the step finds the same children (submit is
+idempotent). ``ctx.join(children, timeout=...)`` returns each child's outcome, in
+key order, when every one of them has finished (a terminal state, or a failed state
+until someone requeues it); otherwise the step parks in ``joining_<step>`` (declare
+it with ``joins=True``). The transaction that finishes the last child wakes the
+parent: it locks the parent's row, then counts the children still open, so two
+children finishing at the same instant cannot both miss the wake-up, nor both send
+it (the wake is a compare-and-swap on ``Job.awaiting``).
+"""
+
+from django.db import transaction
+from django.db.models import Q
+
+from . import faults, locking
+from .exceptions import IdempotencyConflict, PayloadInvalid
+from .inbox import fence, recorded, resolve, wake
+from .models import EventKind, Job, JobEvent, Wait, WaitKind
+from .states import CANCELLED, SETTLED_KINDS, StateKind
+
+
+def child_id(parent_id, workflow, key):
+    key = str(key)
+    if not key or "\x00" in key:
+        raise PayloadInvalid("A child's key must be a non-empty string without NUL characters")
+    cid = f"{parent_id}/{workflow}/{key}"
+    if len(cid) > Job._meta.get_field("id").max_length:
+        raise PayloadInvalid(f"The child id {cid[:60]!r}... is longer than 255 characters")
+    return cid
+
+
+def spawn_many(ctx, workflow, children, queue="default"):
+    """Submit the children ``{key: payload}`` of the running job in one fenced transaction."""
+    from .services import submit
+
+    if not children:
+        return []
+    ids = [child_id(ctx.job_id, workflow, key) for key in children]
+    with transaction.atomic():
+        fence(ctx)
+        for index, (cid, payload) in enumerate(zip(ids, children.values(), strict=True)):
+            submit(workflow, cid, payload, queue=queue, submitted_by=f"job:{ctx.job_id}"[:150])
+            if index == len(ids) // 2:
+                faults.point("during_spawn")
+        linked = 0
+        for start in range(0, len(ids), 500):
+            linked += Job.objects.filter(pk__in=ids[start:start + 500], parent__isnull=True).update(
+                parent_id=ctx.job_id)
+        others = Job.objects.filter(pk__in=ids).exclude(parent_id=ctx.job_id)[:1]
+        if others:
+            raise IdempotencyConflict(f"Job {others[0].pk!r} exists already as another job's child")
+        if linked:
+            JobEvent.objects.create(job_id=ctx.job_id, kind=EventKind.SUBMITTED, step=ctx.step,
+                                    actor="system", message=f"spawned {linked} {workflow} children",
+                                    data={"children": len(ids), "workflow": workflow})
+    return ids
+
+
+_cache = {}
+
+
+def _kinds_q(kinds):
+    from .workflows import registry
+
+    key = (registry.generation, kinds)
+    cached = _cache.get(key)
+    if cached is None:
+        cached = Q(pk__in=[])
+        for definition in registry.all():
+            cached |= Q(workflow=definition.name, state__in=definition.table.states_of_kind(*kinds))
+        if len(_cache) > 8:
+            _cache.clear()
+        _cache[key] = cached
+    return cached
+
+
+def settled_q():
+    """A Q matching jobs in a state their own workflow counts as finished for a join."""
+    return _kinds_q(SETTLED_KINDS)
+
+
+def terminal_q():
+    """A Q matching jobs in a terminal state of their own workflow."""
+    return _kinds_q(frozenset({StateKind.TERMINAL}))
+
+
+def open_children(parent_id, children):
+    """Which of ``children`` (ids of ``parent_id``'s children) have not finished yet."""
+    still = set(Job.objects.filter(parent_id=parent_id).exclude(settled_q())
+                .values_list("id", flat=True))
+    return [c for c in children if c in still]
+
+
+def outcomes(parent_id, children):
+    """Each child's outcome, as (id, {...}) pairs in key order."""
+    from .workflows import registry
+
+    rows = {row["id"]: row for row in Job.objects.filter(parent_id=parent_id).values(
+        "id", "workflow", "state", "result", "last_error")}
+    found = []
+    for cid in sorted(children):
+        row = rows.get(cid)
+        if row is None:
+            found.append((cid, {"outcome": "missing", "state": None}))
+            continue
+        kind = (registry.get(row["workflow"]).table.kinds.get(row["state"])
+                if row["workflow"] in registry else None)
+        if kind is None or kind not in SETTLED_KINDS:
+            item = {"outcome": "timed_out", "state": row["state"]}
+        elif row["state"] == CANCELLED:
+            item = {"outcome": "cancelled", "state": row["state"]}
+        elif kind == StateKind.TERMINAL:
+            item = {"outcome": "ok", "state": row["state"], "result": row["result"]}
+        else:
+            item = {"outcome": "failed", "state": row["state"], "error": row["last_error"]}
+        found.append((cid, item))
+    return found
+
+
+def join(ctx, children, timeout=None):
+    """``ctx.join``: {child id: outcome} in key order once all finished (or the deadline passed)."""
+    from .inbox import _deadline
+    from .workflows import WaitingOn
+
+    children = list(children)
+    key = ctx.key("join", "")
+    wait, result = recorded(ctx, key)
+    if wait is not None and wait.outcome:
+        return dict(result)
+    with transaction.atomic():
+        fence(ctx)
+        deadline = _deadline(ctx, wait, timeout)
+        still = open_children(ctx.job_id, children)
+        expired = deadline is not None and locking.db_now() >= deadline
+        if not still or expired:
+            pairs = outcomes(ctx.job_id, children)
+            resolve(ctx, key, WaitKind.JOIN, "", "joined" if not still else "timed_out",
+                    [list(p) for p in pairs], deadline=deadline, data={"children": children})
+            return dict(pairs)
+    raise WaitingOn(WaitKind.JOIN, key, "", deadline, data={"children": children})
+
+
+def wake_parent(parent_id, child):
+    """Called in the transaction that finishes ``child``: wake its parent if it was the last.
+
+    The parent's row lock serialises the children finishing together: each one counts
+    the open children only after the previous one committed (PostgreSQL's read
+    committed reads afresh per statement), so exactly the last one sees none left.
+    """
+    parent = (Job.objects.select_for_update().filter(pk=parent_id)
+              .values("awaiting", "workflow").first())
+    if parent is None or not parent["awaiting"]:
+        return False
+    wait = Wait.objects.filter(job_id=parent_id, key=parent["awaiting"], kind=WaitKind.JOIN,
+                               resolved__isnull=True).only("data").first()
+    if wait is None or child not in set(wait.data["children"]):
+        return False
+    if open_children(parent_id, wait.data["children"]):
+        return False
+    woke = wake(parent_id, parent["awaiting"], parent["workflow"])
+    if woke:
+        JobEvent.objects.create(job_id=parent_id, kind=EventKind.SIGNAL, actor="system",
+                                message=f"woken: the last child {child} finished",
+                                data={"child": child, "key": parent["awaiting"]})
+    return woke
+
+
+__all__ = ["child_id", "join", "open_children", "spawn_many", "wake_parent"]
