@@ -77,6 +77,11 @@ DEFAULTS = {
     # Schedules a project declares for workflows or @task functions it does not own:
     # {"nightly": {"WORKFLOW": "report", "CRON": "0 3 * * *", "TIMEZONE": "Europe/Berlin"}}.
     "SCHEDULES": {},
+    # Signal webhooks (durable.hooks): {"source": {"SECRET": "..."} or {"TOKEN": "..."}},
+    # the largest body accepted (bytes), and how far a signed timestamp may be from now.
+    "WEBHOOKS": {},
+    "WEBHOOK_MAX_BYTES": 64 * 1024,
+    "WEBHOOK_TOLERANCE_SECONDS": 300,
     # Fault injection for drills: the name of a fault point where the process SIGKILLs itself.
     "FAULT_POINT": None,
 }

@@ -24,6 +24,7 @@ POINTS = (
     "after_final_transition",
     "during_backoff",
     "during_approval_wait",
+    "during_spawn",
 )
 
 _specs = None

@@ -7,9 +7,10 @@ workers when the transaction commits). A signal that arrives before the wait is 
 the same dedupe key twice is one signal; signals of one name are read oldest first,
 one per wait.
 
-A signal for a job that does not exist, or that already finished (a terminal
+A new signal for a job that does not exist, or that already finished (a terminal
 state), is refused with ``UnknownJob`` / ``JobFinished`` and nothing is written: the
-sender learns at once that nobody will read it. A job that failed (and may be
+sender learns at once that nobody will read it. A replay of a signal delivered before
+(same name and dedupe key, same payload) is answered as a duplicate even then. A job that failed (and may be
 requeued) or waits for a person still accepts signals.
 
 ``ctx.wait_for(name, timeout=...)`` (see ``Context``) consumes the oldest unconsumed
@@ -66,9 +67,8 @@ def signal(job_key, name, payload=None, *, dedupe_key=None, source="api"):
                .only("id", "workflow", "state", "awaiting").first())
         if job is None:
             raise UnknownJob(f"There is no job {job_key!r}; the signal {name!r} was not recorded")
-        if _is_finished(job):
-            raise JobFinished(f"Job {job_key!r} already finished ({job.state}); the signal {name!r}"
-                              " was not recorded")
+        # A replay is answered as a duplicate even after the job finished: the sender
+        # learns its message was delivered, not that it was refused.
         existing = Signal.objects.filter(job=job, name=name, dedupe_key=dedupe_key).first()
         if existing is not None:
             if not _same_json(existing.payload, payload):
@@ -77,6 +77,9 @@ def signal(job_key, name, payload=None, *, dedupe_key=None, source="api"):
                     " another payload; the first delivery stands")
             existing.duplicate = True
             return existing
+        if _is_finished(job):
+            raise JobFinished(f"Job {job_key!r} already finished ({job.state}); the signal {name!r}"
+                              " was not recorded")
         sig = Signal.objects.create(job=job, name=name, payload=payload, dedupe_key=dedupe_key,
                                     source=source)
         woke = _wake_for_signal(job, name)

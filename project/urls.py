@@ -1,5 +1,5 @@
 from django.contrib import admin
-from django.urls import path
+from django.urls import include, path
 
 from durable.metrics import metrics_view
 
@@ -9,4 +9,6 @@ urlpatterns = [
     path("", views.home, name="home"),
     path("admin/", admin.site.urls),
     path("metrics", metrics_view, name="durable-metrics"),
+    # Signals from other systems (sources in DURABLE["WEBHOOKS"]).
+    path("hooks/durable/", include("durable.hooks.urls")),
 ]

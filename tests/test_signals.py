@@ -159,6 +159,10 @@ def test_a_signal_for_a_finished_job_is_refused():
     drain()
     with pytest.raises(JobFinished, match="already finished"):
         durable.signal("j", "confirmed", 2, dedupe_key="2")
+    # A replay of the delivered signal is still answered as a duplicate.
+    assert durable.signal("j", "confirmed", 1, dedupe_key="1").duplicate is True
+    with pytest.raises(SignalConflict):
+        durable.signal("j", "confirmed", 3, dedupe_key="1")
     assert Signal.objects.filter(job_id="j").count() == 1
 
 
