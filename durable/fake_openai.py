@@ -94,6 +94,7 @@ class Call:
     turn: int
     outcome: str  # "ok", a fault mode, or "invalid"
     at: float = field(default_factory=time.time)
+    headers: dict = field(default_factory=dict)  # as sent, lower-cased names (the API key is one)
 
 
 def turn_of(body):
@@ -147,16 +148,16 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError:
             body = None
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
-            owner._record({"raw": raw.decode(errors="replace")}, 0, "invalid")
+            owner._record({"raw": raw.decode(errors="replace")}, 0, "invalid", self.headers)
             self._error(400, "the body must be a JSON object with a 'messages' list")
             return
         if body.get("stream"):
-            owner._record(body, turn_of(body), "invalid")
+            owner._record(body, turn_of(body), "invalid", self.headers)
             self._error(400, "streaming is not supported by the fake server")
             return
         fault = owner._next_fault()
         turn = turn_of(body)
-        owner._record(body, turn, fault.mode if fault else "ok")
+        owner._record(body, turn, fault.mode if fault else "ok", self.headers)
         if fault and fault.mode == "rate_limited":
             self._error(429, "rate limited", "rate_limit_error", [("Retry-After", f"{fault.retry_after:g}")])
             return
@@ -286,9 +287,10 @@ class FakeModelServer:
 
     # Handler side.
 
-    def _record(self, body, turn, outcome):
+    def _record(self, body, turn, outcome, headers):
+        headers = {name.lower(): value for name, value in headers.items()}
         with self._arrived:
-            self.calls.append(Call(body, turn, outcome))
+            self.calls.append(Call(body, turn, outcome, headers=headers))
             self._arrived.notify_all()
 
     def _next_fault(self):

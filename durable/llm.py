@@ -20,6 +20,7 @@ A model missing from the table costs ``Decimal("0")`` and says so in
 
 import importlib
 import json
+import os
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 
@@ -127,10 +128,15 @@ class SDKAdapter:
     ``timeout`` seconds to read, ``connect_timeout`` to connect. A subclass names its
     SDK (``sdk``, the package; ``client_class``, the client's name in it) and builds
     its request and reply; :meth:`send` turns the SDK's errors into retry rules.
+
+    The API key is ``api_key`` when given, else the SDK's own environment variable
+    (``OPENAI_API_KEY``, ``ANTHROPIC_API_KEY``), else none at all (a local server
+    such as Ollama or vLLM asks for none; a hosted one answers 401, which is poison).
     """
 
     sdk = ""
     client_class = ""
+    api_key_env = ""
 
     def __init__(self, model, *, client=None, base_url=None, api_key=None, timeout=60.0,
                  connect_timeout=5.0, prices=None, **defaults):
@@ -144,7 +150,9 @@ class SDKAdapter:
         self.defaults = defaults
         self.timeout = self._sdk.Timeout(float(timeout), connect=float(connect_timeout))
         if client is None:
-            client = getattr(self._sdk, self.client_class)(base_url=base_url, api_key=api_key or "unused",
+            if not api_key and not os.environ.get(self.api_key_env):
+                api_key = "unused"  # the SDKs refuse to start without one
+            client = getattr(self._sdk, self.client_class)(base_url=base_url, api_key=api_key or None,
                                                             max_retries=0, timeout=self.timeout)
         else:
             client = client.with_options(max_retries=0, timeout=self.timeout)
@@ -194,7 +202,7 @@ class OpenAIChat(SDKAdapter):
     hosted providers) through ``base_url``.
     """
 
-    sdk, client_class = "openai", "OpenAI"
+    sdk, client_class, api_key_env = "openai", "OpenAI", "OPENAI_API_KEY"
 
     def complete(self, messages, tools=None, **params):
         """Call the model once; return a :class:`ModelReply` or raise a classified error."""
@@ -255,7 +263,7 @@ class AnthropicMessages(SDKAdapter):
     4xx poison).
     """
 
-    sdk, client_class = "anthropic", "Anthropic"
+    sdk, client_class, api_key_env = "anthropic", "Anthropic", "ANTHROPIC_API_KEY"
 
     def __init__(self, model, *, max_tokens=1024, **options):
         super().__init__(model, **options)

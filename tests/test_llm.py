@@ -262,3 +262,26 @@ def test_the_anthropic_adapter_classifies_errors_like_the_openai_one_and_never_r
     assert len(server.calls) == 1
     if fault == "rate_limited":
         assert caught.value.retry_after == 3
+
+
+@pytest.mark.parametrize(("adapter", "variable"), [("OpenAIChat", "OPENAI_API_KEY"),
+                                                  ("AnthropicMessages", "ANTHROPIC_API_KEY")])
+def test_the_api_key_is_the_given_one_else_the_sdks_environment_variable_else_none(
+        server, monkeypatch, adapter, variable):
+    import durable.llm
+
+    pytest.importorskip("anthropic")
+    cls = getattr(durable.llm, adapter)
+    url = server.url if adapter == "OpenAIChat" else server.root_url
+
+    def key_sent(**options):
+        with cls("fake-model", base_url=url, prices=PRICES, **options) as model:
+            model.complete(MESSAGES)
+        headers = server.calls[-1].headers  # x-api-key, or a bearer token, depending on the SDK
+        return headers.get("x-api-key") or headers["authorization"].removeprefix("Bearer ")
+
+    monkeypatch.delenv(variable, raising=False)
+    assert key_sent() == "unused"  # a local server asks for none
+    monkeypatch.setenv(variable, "key-from-the-environment")
+    assert key_sent() == "key-from-the-environment"
+    assert key_sent(api_key="key-given") == "key-given"
