@@ -60,6 +60,27 @@ class HumanFilter(_YesFilter):
         return queryset.filter(reports.waiting_for_human_q())
 
 
+class ParentFilter(admin.SimpleListFilter):
+    """Child jobs: of any parent, or (``?parent=<key>``, the job page's link) of one."""
+
+    title = "parent"
+    parameter_name = "parent"
+
+    def lookups(self, request, model_admin):
+        choices = [("*", "any parent")]
+        value = request.GET.get(self.parameter_name)
+        if value and value != "*":
+            choices.append((value, f"children of {value}"))
+        return choices
+
+    def queryset(self, request, queryset):
+        if self.value() == "*":
+            return queryset.filter(parent__isnull=False)
+        if self.value():
+            return queryset.filter(parent_id=self.value())
+        return queryset
+
+
 def _cost_so_far():
     memos = (
         StepResult.objects.filter(job=OuterRef("pk")).order_by().values("job")
@@ -87,7 +108,7 @@ class JobAdmin(ReadOnlyAdmin):
     list_display = ["id", "workflow", "state_display", "in_state_for", "attempts_col", "lease",
                     "last_error_short", "cost_so_far"]
     list_display_links = ["id"]
-    list_filter = ["workflow", "state", StuckFilter, FailedFilter, HumanFilter]
+    list_filter = ["workflow", "state", StuckFilter, FailedFilter, HumanFilter, ParentFilter]
     search_fields = ["id"]
     search_help_text = "Search by key (the caller's idempotency key)."
     ordering = ["-updated"]

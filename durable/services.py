@@ -215,6 +215,29 @@ def cancel(job_id, *, user=None, reason="", children=False):
         return job
 
 
+def deliver_signal(job_id, name, payload, *, user=None, reason="", dedupe_key=None):
+    """Deliver a signal by hand: the signal, an operator event with the reason, the admin log.
+
+    The same rules as ``durable.signal`` (unknown or finished jobs refused, the dedupe key
+    making a second delivery a duplicate); all of it commits together or not at all.
+    """
+    from .inbox import signal
+
+    reason = " ".join(str(reason or "").split())
+    if not reason:
+        raise OperatorError("Give a reason; it is recorded in the job's history")
+    with transaction.atomic():
+        sig = signal(job_id, name, payload, dedupe_key=dedupe_key,
+                     source=f"console:{audit.actor(user)}")
+        if not sig.duplicate:
+            JobEvent.objects.create(
+                job_id=job_id, kind=EventKind.OPERATOR, actor=audit.actor(user),
+                message=f"signal {name}: {reason}", data={"verb": "signal", "signal": sig.pk},
+            )
+            audit.admin_log(user, sig.job, f"signal {name} delivered by hand. {reason}")
+    return sig
+
+
 def unfinished_children(job_id):
     """Ids of ``job_id``'s child jobs that are not in a terminal state, in key order."""
     from .children import terminal_q

@@ -60,6 +60,8 @@ def job_urls(model_admin):
     return [
         path("bulk/<str:verb>/", page(site, bulk.bulk_action, "GET", "POST", model_admin=model_admin),
              name="durable_job_bulk"),
+        path("<path:object_id>/signal/",
+             page(site, jobs.job_signal, "POST", model_admin=model_admin), name="durable_job_signal"),
         path("<path:object_id>/act/<str:verb>/",
              page(site, jobs.job_action, "POST", model_admin=model_admin), name="durable_job_act"),
         path("<path:object_id>/replay/<str:step>/",

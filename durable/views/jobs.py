@@ -1,9 +1,10 @@
-"""The job page, its verbs (requeue, retry now, cancel, send back) and replaying a step.
+"""The job page, its verbs (requeue, retry now, cancel, send back, deliver a signal) and replaying a step.
 
 The job page is ``JobAdmin.change_view``; the verbs are POSTs from it, each a call to its
 service with the user and a reason.
 """
 
+import json
 from dataclasses import dataclass
 from decimal import Decimal
 
@@ -17,10 +18,10 @@ from django.template.response import TemplateResponse
 from .. import locking, services
 from ..conf import durable_settings
 from ..exceptions import DurableError, OperatorError
-from ..models import Job, Pause, StepResult
+from ..models import Job, Pause, Signal, StepResult
 from ..states import CANCELLED, StateKind
 from ..workflows import registry
-from .base import admin_url, context, form_reason, job_url, require, show_json, url_or_blank
+from .base import admin_url, context, form_reason, job_url, jobs_url, require, show_json, url_or_blank
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,10 @@ VERBS = {
 
 
 # The job page ---------------------------------------------------------------------------
+
+# Rows of the inbox and of the children shown on the job page (the job list shows all).
+INBOX_ROWS = 50
+CHILD_ROWS = 50
 
 
 def _lease(job, now):
@@ -185,6 +190,13 @@ def job_detail(request, model_admin, object_id):
     approvals = [{"row": a, "proposal": show_json(a.proposal, user),
                   "url": url_or_blank(admin_site, "durable_approval", a.pk)}
                  for a in job.approvals.select_related("decided_by").order_by("id")]
+    inbox = [{"row": sig, "payload": show_json(sig.payload, user)}
+             for sig in Signal.objects.filter(job=job).order_by("id")[:INBOX_ROWS]]
+    children = list(job.children.order_by("pk").values("pk", "workflow", "state")[:CHILD_ROWS])
+    for child in children:
+        child["url"] = job_url(admin_site, child["pk"])
+    child_count = job.children.count()
+    open_children = len(services.unfinished_children(job.pk)) if child_count else 0
     send_back_to = []
     if definition and kind == StateKind.HUMAN:
         send_back_to = [s for s in definition.table.edges[job.state] if s != CANCELLED]
@@ -200,6 +212,12 @@ def job_detail(request, model_admin, object_id):
         result=show_json(job.result, user) if job.result is not None else None,
         verbs=_available_verbs(job, definition, user, lease),
         send_back_to=send_back_to,
+        inbox=inbox, inbox_count=job.inbox.count(), children=children, child_count=child_count,
+        open_children=open_children,
+        children_url=jobs_url(admin_site, parent=job.pk),
+        parent_url=job_url(admin_site, job.parent_id) if job.parent_id else "",
+        can_signal=user.has_perm("durable.send_signal") and kind not in (None, StateKind.TERMINAL),
+        signal_url=admin_url(admin_site, "durable_job_signal", quote(job.pk)),
         act_urls={v: admin_url(admin_site, "durable_job_act", quote(job.pk), v) for v in VERBS},
         jobs_url=admin_url(admin_site, "durable_job_changelist"),
         workflow_paused=Pause.objects.filter(workflow=job.workflow).first(),
@@ -226,6 +244,8 @@ def job_action(request, model_admin, object_id, verb):
     kwargs = {}
     if verb == "send_back":
         kwargs["to_state"] = request.POST.get("to_state") or None
+    if verb == "cancel" and request.POST.get("children") == "yes":
+        kwargs["children"] = True
     try:
         job = v.service(job_id, user=request.user, reason=reason, **kwargs)
     except DurableError as exc:
@@ -234,6 +254,38 @@ def job_action(request, model_admin, object_id, verb):
             back = admin_url(admin_site, "durable_job_changelist")
     else:
         messages.success(request, f"Job {job_id} {v.done}; it is now {job.state}.")
+    return HttpResponseRedirect(back)
+
+
+def job_signal(request, model_admin, object_id):
+    """Deliver a signal to one job by hand (POST): name, JSON payload, reason; back to the job page."""
+    job_id = unquote(object_id)
+    back = job_url(model_admin.admin_site, job_id)
+    require(request, "durable.send_signal", "deliver signals", back)
+    reason = form_reason(request)
+    name = request.POST.get("name", "").strip()
+    text = request.POST.get("payload", "").strip() or "null"
+    if not reason or not name:
+        messages.error(request, "Deliver a signal: give its name and a reason; the reason is recorded "
+                                "in the job's history. Nothing was changed.")
+        return HttpResponseRedirect(back)
+    try:
+        payload = json.loads(text)
+    except ValueError as exc:
+        messages.error(request, f"Deliver a signal refused: the payload is not JSON ({exc}). "
+                                "Nothing was changed.")
+        return HttpResponseRedirect(back)
+    try:
+        sig = services.deliver_signal(job_id, name, payload, user=request.user, reason=reason,
+                                      dedupe_key=request.POST.get("dedupe_key", "").strip() or None)
+    except DurableError as exc:
+        messages.error(request, f"Deliver a signal refused: {exc}. Nothing was changed.")
+    else:
+        if sig.duplicate:
+            messages.warning(request, f"Signal {name} with this dedupe key was delivered before; "
+                                      "nothing new was written.")
+        else:
+            messages.success(request, f"Signal {name} delivered to job {job_id}.")
     return HttpResponseRedirect(back)
 
 
