@@ -201,3 +201,32 @@ def check_schedules(app_configs, **kwargs):
                 obj=schedule.name, id="durable.E021",
             ))
     return problems
+
+
+@checks.register()
+def check_webhooks(app_configs, **kwargs):
+    """A webhook source must name exactly one credential, a SECRET or a TOKEN."""
+    sources = durable_settings.WEBHOOKS
+    if not isinstance(sources, dict):
+        return [checks.Error("DURABLE['WEBHOOKS'] must be a dict {source: {'SECRET': ...}}",
+                             id="durable.E080")]
+    problems = []
+    for name, config in sources.items():
+        given = [k for k in ("SECRET", "TOKEN") if isinstance(config, dict) and config.get(k)]
+        unknown = sorted(set(config) - {"SECRET", "TOKEN"}) if isinstance(config, dict) else []
+        if len(given) != 1 or unknown or not all(isinstance(config[k], str) for k in given):
+            problems.append(checks.Error(
+                f"Webhook source {name!r} must set exactly one of SECRET or TOKEN (a string)"
+                + (f"; unknown keys: {', '.join(unknown)}" if unknown else ""),
+                hint="{'SECRET': ...} for HMAC-signed requests, {'TOKEN': ...} for a bearer token.",
+                obj=str(name), id="durable.E080",
+            ))
+        elif len(config[given[0]]) < 16:
+            problems.append(checks.Warning(
+                f"Webhook source {name!r} has a {given[0]} of {len(config[given[0]])} characters; "
+                "anyone who guesses it can deliver signals",
+                hint="Use at least 32 random characters (python -c 'import secrets; "
+                     "print(secrets.token_hex(32))').",
+                obj=str(name), id="durable.W081",
+            ))
+    return problems

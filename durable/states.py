@@ -158,6 +158,11 @@ class TransitionTable:
             for frm, to in need:
                 if to not in self.edges.get(frm, ()):
                     bad(f"step {st.step!r} needs the edge {frm} -> {to}")
+            for waiting in (st.timer, st.signal, st.join):
+                if waiting and not (waiting in self.edges.get(st.working, ())
+                                    and st.working in self.edges.get(waiting, ())):
+                    bad(f"step {st.step!r} waits in {waiting!r} and needs the edges "
+                        f"{st.working} -> {waiting} -> {st.working}")
             if st.before not in self.edges.get(st.working, ()):
                 bad(
                     f"working state {st.working!r} has no retry edge back to {st.before!r}"

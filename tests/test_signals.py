@@ -191,3 +191,47 @@ def test_the_inbox_row_is_stamped_by_the_database_clock():
         cursor.execute("SELECT created FROM durable_signal WHERE id = %s", [sig.pk])
         assert cursor.fetchone()[0] is not None
     assert sig.created is not None
+
+
+def test_the_waiting_states_are_in_the_table_validated_and_printed():
+    from django.core.exceptions import ImproperlyConfigured
+    from django.core.management import call_command
+
+    from durable import Workflow, step
+    from durable.workflows import registry
+
+    table = registry.get("parent").table
+    assert table.kind("joining_fan_out").label == "waiting for its children"
+    confirm = registry.get("confirm").table
+    assert confirm.kind("awaiting_signal_ask").label == "waiting for a signal"
+    assert confirm.allows("ask_running", "awaiting_signal_ask")
+    assert confirm.allows("awaiting_signal_ask", "ask_running")
+    assert confirm.allows("awaiting_signal_ask", "cancelled")
+    import io
+
+    out = io.StringIO()
+    call_command("durable", "graph", "confirm", stdout=out)
+    assert "awaiting_signal_ask -> ask_running" in out.getvalue()
+    with pytest.raises(ImproperlyConfigured, match="waits in 'awaiting_signal_a'"):
+        class Declared(Workflow, register=False):
+            name = "declared_waits"
+            transitions = {"pending": ["a_running"], "a_running": ["a_done", "failed_a", "pending"],
+                           "awaiting_signal_a": ["a_running"], "failed_a": ["pending"],
+                           "a_done": [], "cancelled": []}
+
+            @step(signals=True)
+            def a(self, payload, ctx):
+                return {}
+
+        Declared.build_table()
+
+
+def test_a_webhook_source_needs_exactly_one_credential(settings):
+    from durable.checks import check_webhooks
+
+    settings.DURABLE = {**settings.DURABLE, "WEBHOOKS": {
+        "good": {"SECRET": "s" * 32}, "both": {"SECRET": "s" * 32, "TOKEN": "t" * 32},
+        "none": {}, "typo": {"SECRT": "x"}, "short": {"TOKEN": "abc"}}}
+    found = {(p.obj, p.id) for p in check_webhooks(None)}
+    assert found == {("both", "durable.E080"), ("none", "durable.E080"), ("typo", "durable.E080"),
+                     ("short", "durable.W081")}
