@@ -202,7 +202,4 @@ def park(claimed, waiting):
         ready = Signal.objects.filter(job_id=claimed.id, name=waiting.name, consumed_key="").exists()
     else:
         ready = not open_children(claimed.id, waiting.data["children"])
-    if ready:
-        Job.objects.filter(pk=claimed.id, awaiting=waiting.key).update(next_run_at=Now(), awaiting="")
-        locking.notify(JOBS_CHANNEL, claimed.workflow)
-    return ready
+    return ready and wake(claimed.id, waiting.key, claimed.workflow)
