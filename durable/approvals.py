@@ -28,7 +28,7 @@ from django.db.models.functions import Now
 
 from . import audit, faults, locking
 from .conf import durable_settings
-from .exceptions import DecisionForbidden, DecisionRefused, OperatorError
+from .exceptions import DecisionForbidden, DecisionRefused, DurableError, OperatorError
 from .models import (
     Approval,
     ApprovalStatus,
@@ -370,6 +370,10 @@ def check_before_dispatch(outbox_row, job):
         # was approved and checked when it first left, not a new write.
         return True
     workflow = registry.get(job.workflow)
+    if getattr(workflow, "runs_itself", False):
+        from .agent_actions import check_before_dispatch as agent_check
+
+        return agent_check(outbox_row, job)
     st = workflow.steps_by_name.get(outbox_row.kind)
     if st is None or not st.approval:
         return True
@@ -483,11 +487,27 @@ def _locked(approval_id):
 
 
 def _states(approval):
+    if _is_agent_job(approval.job):
+        from .agents import ACTION_STATES
+
+        return ACTION_STATES
     table = approval.job.table
     for states in table.steps:
         if states.step == approval.step:
             return states
     raise OperatorError(f"Workflow {approval.job.workflow} has no step {approval.step!r}")
+
+
+def _is_agent_job(job):
+    return getattr(job.definition, "runs_itself", False)
+
+
+def awaiting_state(approval):
+    """The state the approval's job waits in while it is open (None: its step is gone)."""
+    try:
+        return _states(approval).approval
+    except (DurableError, LookupError):
+        return None
 
 
 class _Expired(str):
@@ -538,6 +558,11 @@ def approve(approval_id, seen_hash, user, note=""):
         if not isinstance(checked, _Expired):
             approval, states, now = checked
             job = approval.job
+        if not isinstance(checked, _Expired) and _is_agent_job(job):
+            from .agent_actions import decide
+
+            decide(approval, job, user, now, ApprovalStatus.APPROVED, note, "approve")
+        elif not isinstance(checked, _Expired):
             row_count = Outbox.objects.filter(
                 job_id=job.pk, kind=approval.step, status=OutboxStatus.PENDING
             ).update(next_attempt_at=Now(), last_error="", version=F("version") + 1,
@@ -578,6 +603,11 @@ def reject(approval_id, seen_hash, user, reason):
         if not isinstance(checked, _Expired):
             approval, states, now = checked
             job = approval.job
+        if not isinstance(checked, _Expired) and _is_agent_job(job):
+            from .agent_actions import decide
+
+            decide(approval, job, user, now, ApprovalStatus.REJECTED, reason, "reject")
+        elif not isinstance(checked, _Expired):
             target = job.definition.steps_by_name[approval.step].on_reject
             Approval.objects.filter(pk=approval.pk).update(
                 status=ApprovalStatus.REJECTED, decided_by=user if _is_person(user) else None,

@@ -514,14 +514,13 @@ class Dispatcher(Drains):
             return None  # the job was deleted (and the row with it)
         try:
             workflow = registry.get(job.workflow)
-            st = workflow.steps_by_name[row.kind]
+            st, states = step_of_row(row, workflow)
         except (UnknownWorkflow, KeyError) as exc:
             why = f"cannot dispatch: {exc}; redeploy the workflow, then look it up again"
             self._row(row).update(next_attempt_at=None, lease_until=None, lease_owner=None,
                                   last_error=scrub(why), version=F("version") + 1)
             logger.error("%s action=%s %s", self.name, row.id, why)
             return None
-        states = next(s for s in workflow.table.steps if s.step == st.name)
         try:
             destination = destinations.get(row.destination)
         except (UnknownDestination, ImproperlyConfigured) as exc:
@@ -813,6 +812,16 @@ def _small(data, limit=8192):
 # Settling the job (shared with durable.reconcile) --------------------------------------------
 
 
+def step_of_row(row, workflow):
+    """The step (and its states) an outbox row belongs to: an action step, or an agent's tool call."""
+    if getattr(workflow, "runs_itself", False):
+        from .agent_actions import step_of_row as agent_step
+
+        return agent_step(row, workflow)
+    st = workflow.steps_by_name[row.kind]
+    return st, next(s for s in workflow.table.steps if s.step == st.name)
+
+
 def _enqueued(job_id, kind):
     """Cost and duration the step recorded when it produced the action."""
     data = (JobEvent.objects.filter(job_id=job_id, step=kind, kind=EventKind.ACTION,
@@ -833,6 +842,10 @@ def complete(ctx, memo, *, actor, message, kind=EventKind.STEP_DONE, data=None):
     Inside the caller's transaction; the job row is locked and in flight or unknown.
     Returns the terminal state when the job finished, else None.
     """
+    if getattr(ctx.step, "step_key", None):
+        from .agent_actions import settle
+
+        return settle(ctx, memo, actor=actor, message=message, kind=kind, data=data)
     job, row, states, table = ctx.job, ctx.row, ctx.states, ctx.table
     terminal = table.is_terminal(states.done)
     fields = {"attempts": 0, "lease_until": None, "lease_owner": None, "wake_at": None,
@@ -858,6 +871,10 @@ def complete(ctx, memo, *, actor, message, kind=EventKind.STEP_DONE, data=None):
 
 def fail(ctx, error, *, actor, kind=EventKind.FAILED, data=None):
     """Move the job to the action step's failed state (inside the caller's transaction)."""
+    if getattr(ctx.step, "step_key", None):
+        from .agent_actions import settle_failed
+
+        return settle_failed(ctx, error, actor=actor, kind=kind, data=data)
     job, row = ctx.job, ctx.row
     error = scrub(error)
     return locking.transition(

@@ -25,6 +25,9 @@ POINTS = (
     "during_backoff",
     "during_approval_wait",
     "during_spawn",
+    "agent_model_call",
+    "agent_before_memo",
+    "agent_after_memo",
 )
 
 _specs = None

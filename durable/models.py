@@ -61,6 +61,12 @@ class Job(models.Model):
     # The key of the Wait this job is parked on ("" when none): a signal of that wait's
     # name, or the last of its children, makes it due now and clears this.
     awaiting = models.CharField(_("awaiting"), max_length=200, blank=True, default="", db_default="")
+    # Agent workflows: where the run is (turn, last key, calls so far), written with each
+    # memo; and the bounds an operator granted beyond the workflow's own (NULL: its own).
+    progress = models.JSONField(_("progress"), null=True, blank=True, encoder=DjangoJSONEncoder)
+    turn_limit = models.PositiveIntegerField(_("turn limit"), null=True, blank=True)
+    budget = models.DecimalField(_("budget"), max_digits=18, decimal_places=6, null=True,
+                                 blank=True)
     # Stamped by the database clock, like every time durable compares.
     created = models.DateTimeField(_("created"), db_default=Now())
     updated = models.DateTimeField(_("updated"), auto_now=True)
@@ -91,6 +97,7 @@ class Job(models.Model):
             ("replay_step", "Can replay a step and replace its memo"),
             ("pause_workflow", "Can pause and resume workflows"),
             ("send_signal", "Can deliver a signal to a job by hand"),
+            ("grant_job", "Can grant an agent more turns or budget"),
         ]
 
     def __str__(self):
@@ -107,14 +114,55 @@ class Job(models.Model):
         return self.definition.table
 
 
+class MemoKind(models.TextChoices):
+    STEP = "step", _("step")  # a linear workflow's step (key = the step name)
+    MODEL = "model", _("model call")
+    TOOL = "tool", _("tool call")  # a read-only tool, or an action tool's refusal or error
+    ACTION = "action", _("action")  # an action tool's confirmed (or failed) outcome
+    CALL = "call", _("call")  # ctx.call(): any other memoized function
+    PATCH = "patch", _("patch marker")  # ctx.patched(): this run took the new path
+
+
+def memo_label():
+    """What the cost report counts a memo under: its step, or an agent call's kind and name.
+
+    ``model gpt-4o-mini``, ``tool lookup_order``, ``action issue_refund``: a hundred
+    turns of one agent are one line per model and per tool, not one per key.
+    """
+    from django.db.models import Case, F, Value, When
+    from django.db.models.functions import Concat, Substr
+
+    return Case(When(kind=MemoKind.STEP, then=F("step")),
+                default=Substr(Concat(F("kind"), Value(" "), F("name")), 1, 100),
+                output_field=models.CharField())
+
+
 class StepResult(models.Model):
-    """The memo: one step's output for one job, never paid for twice."""
+    """The memo: the output of one step, model call or tool call of a job, under its key.
+
+    ``step`` is the key: the step name for linear workflows, the explicit key an agent
+    gave (``t3/model``, ``t3/tool/<tool_call_id>``) for the calls of an agent workflow.
+    The input is not stored, only its fingerprint: a long conversation must not grow
+    the table quadratically.
+    """
 
     # No index of its own: the (job, step) constraint below leads with job_id.
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="steps", db_index=False)
-    step = models.CharField(_("step"), max_length=100)
+    step = models.CharField(_("key"), max_length=200)
+    kind = models.CharField(_("kind"), max_length=10, choices=MemoKind.choices,
+                            default=MemoKind.STEP, db_default=MemoKind.STEP)
+    # The tool's name, the model's name (for a model call) or the step's name.
+    name = models.CharField(_("name"), max_length=100, blank=True, default="", db_default="")
+    # Order of first execution within the job (display and divergence checks only).
+    seq = models.PositiveIntegerField(_("order"), default=0, db_default=0)
+    turn = models.PositiveIntegerField(_("turn"), default=0, db_default=0)
+    fingerprint = models.CharField(_("input fingerprint"), max_length=64, blank=True, default="",
+                                   db_default="")
     output = models.JSONField(_("output"), null=True, encoder=DjangoJSONEncoder)
     cost = models.DecimalField(_("cost"), max_digits=18, decimal_places=6, default=0)
+    input_tokens = models.PositiveIntegerField(_("tokens in"), default=0, db_default=0)
+    output_tokens = models.PositiveIntegerField(_("tokens out"), default=0, db_default=0)
+    model = models.CharField(_("model"), max_length=100, blank=True, default="", db_default="")
     duration = models.DurationField(_("duration"))
     attempt = models.PositiveIntegerField(_("attempt"), default=1)
     workflow = models.CharField(_("workflow"), max_length=100)
@@ -181,7 +229,9 @@ class Outbox(models.Model):
     """An action: an effect that leaves the system, written in its step's transaction."""
 
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="actions")
-    kind = models.CharField(_("kind"), max_length=100)  # the step name
+    kind = models.CharField(_("kind"), max_length=100)  # the step name, or an action tool's kind
+    # An agent's action tool: the key of the tool call whose memo the outcome becomes.
+    step_key = models.CharField(_("key"), max_length=200, blank=True, default="", db_default="")
     destination = models.CharField(_("destination"), max_length=100)
     operation = models.CharField(_("operation"), max_length=100)
     payload = models.JSONField(_("values"), encoder=DjangoJSONEncoder)
@@ -248,7 +298,10 @@ class Approval(models.Model):
     """A human decision bound to one proposal by its hash, with an expiry."""
 
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="approvals")
-    step = models.CharField(_("step"), max_length=100)
+    # The step name, or for an agent the key of the exact tool call (t2/tool/<id>).
+    step = models.CharField(_("step"), max_length=200)
+    # An agent's proposals of one turn are decided together before the run resumes.
+    turn = models.PositiveIntegerField(_("turn"), null=True, blank=True)
     proposal = models.JSONField(_("proposal"), encoder=DjangoJSONEncoder)
     proposal_hash = models.CharField(_("proposal hash"), max_length=64)
     input_version = models.CharField(_("input version"), max_length=255, blank=True, default="")
@@ -396,7 +449,7 @@ class JobEvent(models.Model):
     )
     from_state = models.CharField(_("from"), max_length=100, blank=True, default="")
     to_state = models.CharField(_("to"), max_length=100, blank=True, default="")
-    step = models.CharField(_("step"), max_length=100, blank=True, default="")
+    step = models.CharField(_("step or key"), max_length=200, blank=True, default="")
     actor = models.CharField(_("who"), max_length=200, blank=True, default="")
     message = models.TextField(_("why"), blank=True, default="")
     data = models.JSONField(_("data"), null=True, blank=True, encoder=DjangoJSONEncoder)

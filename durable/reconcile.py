@@ -13,7 +13,7 @@ from django.db.models import F
 from django.db.models.functions import Now
 
 from . import audit, destinations, locking
-from .dispatch import OUTBOX_CHANNEL, _Context, complete, fail
+from .dispatch import OUTBOX_CHANNEL, _Context, complete, fail, step_of_row
 from .exceptions import ActionChanged, DurableError, OperatorError
 from .models import EventKind, Job, JobEvent, Outbox, OutboxStatus
 from .workflows import registry
@@ -69,10 +69,9 @@ def _locked(action_id, version, user, reason=""):
     job = Job.objects.select_for_update().get(pk=row.job_id)
     try:
         workflow = registry.get(job.workflow)
-        st = workflow.steps_by_name[row.kind]
+        st, states = step_of_row(row, workflow)
     except (DurableError, KeyError) as exc:
         raise OperatorError(f"Action {row.pk} belongs to no known step: {exc}") from None
-    states = next(s for s in workflow.table.steps if s.step == st.name)
     try:
         destination = destinations.get(row.destination)
     except Exception:  # noqa: BLE001 - deciding by hand needs no destination

@@ -32,7 +32,17 @@ from django.db.models.functions import TruncDate
 
 from . import formats, locking
 from .conf import durable_settings
-from .models import Approval, CostRollup, EventKind, Job, JobEvent, Outbox, Pause, StepResult
+from .models import (
+    Approval,
+    CostRollup,
+    EventKind,
+    Job,
+    JobEvent,
+    Outbox,
+    Pause,
+    StepResult,
+    memo_label,
+)
 from .states import StateKind
 from .workflows import registry
 
@@ -407,11 +417,12 @@ def cost_per_step(*, now=None, window=COST_WINDOW, workflow=None):
     now = now or locking.db_now()
     qs = scoped(StepResult.objects.filter(at__gt=now - window, at__lte=now), workflow)
     rows = list(
-        qs.values("workflow", "step")
+        qs.annotate(label=memo_label()).values("workflow", "label")
         .annotate(count=Count("pk"), total=Sum("cost"), mean=Avg("cost"))
-        .order_by("-total", "workflow", "step")
+        .order_by("-total", "workflow", "label")
     )
     for row in rows:
+        row["step"] = row.pop("label")
         # The same precision as the column, whatever the database's arithmetic returned.
         row["total"] = Decimal(row["total"] or 0).quantize(MONEY)
         row["mean"] = Decimal(row["mean"] or 0).quantize(MONEY)
@@ -431,8 +442,8 @@ def cost_by_day(start, end, *, by="step", workflow=None):
     qs = scoped(StepResult.objects.filter(at__gte=start, at__lt=end), workflow)
     keys = ["workflow", "step"] if by == "step" else ["workflow"]
     rows = (
-        qs.annotate(day=TruncDate("at", tzinfo=datetime.UTC))
-        .values("day", *keys)
+        qs.annotate(day=TruncDate("at", tzinfo=datetime.UTC), label=memo_label())
+        .values("day", *(["workflow", "label"] if by == "step" else keys))
         .annotate(count=Count("pk"), total=Sum("cost"))
         .order_by()
     )
@@ -452,6 +463,8 @@ def cost_by_day(start, end, *, by="step", workflow=None):
     )
     series = {}
     for row in [*rows, *(rolled if days else [])]:
+        if "label" in row:
+            row["step"] = row.pop("label")
         name = f"{row['workflow']}.{row['step']}" if by == "step" else row["workflow"]
         s = series.setdefault(name, {
             "name": name, "workflow": row["workflow"], "step": row.get("step", ""),

@@ -178,6 +178,9 @@ class Runner:
         return dict(StepResult.objects.filter(job_id=job_id).values_list("step", "output"))
 
     def run_step(self, started):
+        if getattr(started.workflow, "runs_itself", False):
+            # An agent workflow: run() from the top, one memo per call (durable.agent_run).
+            return started.workflow.execute(self, started)
         claimed, step = started.claimed, started.step
         if started.memos is None:
             started.memos = self._load_memos(claimed.id)

@@ -608,19 +608,19 @@ def _roll_up_costs(job_ids):
     from django.db.models import Count, F, Sum
     from django.db.models.functions import TruncDate
 
-    from .models import CostRollup, StepResult
+    from .models import CostRollup, StepResult, memo_label
 
     total = Decimal(0)
     groups = (
         StepResult.objects.filter(job_id__in=job_ids)
-        .annotate(day=TruncDate("at", tzinfo=datetime.UTC))
-        .values("day", "workflow", "step")
+        .annotate(day=TruncDate("at", tzinfo=datetime.UTC), label=memo_label())
+        .values("day", "workflow", "label")
         .annotate(n=Count("pk"), cost=Sum("cost"), duration=Sum("duration"))
         .order_by()
     )
     for g in groups:
         rollup, _ = CostRollup.objects.get_or_create(day=g["day"], workflow=g["workflow"],
-                                                     step=g["step"])
+                                                     step=g["label"])
         cost = Decimal(g["cost"] or 0)
         CostRollup.objects.filter(pk=rollup.pk).update(
             steps=F("steps") + g["n"], cost=F("cost") + cost,

@@ -46,8 +46,10 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 from .fake_openai import FakeModelServer, reply, tool_call
+from .testing_models import ScriptedModel
 
-__all__ = ["MODES", "FakeModelServer", "Receiver", "ReceiverProcess", "read_store", "reply", "tool_call"]
+__all__ = ["MODES", "FakeModelServer", "Receiver", "ReceiverProcess", "ScriptedModel", "read_store",
+           "reply", "tool_call"]
 
 logger = logging.getLogger(__name__)
 

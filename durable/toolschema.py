@@ -152,7 +152,7 @@ def _check(value, schema, path, errors):
         properties = schema.get("properties")
         if properties is not None:
             for missing in [key for key in schema.get("required", []) if key not in value]:
-                errors.append(f"{path}: missing required argument {missing!r}")
+                errors.append(f"{path or 'arguments'}: missing required argument {missing!r}")
             for key, item in value.items():
                 if key in properties:
                     _check(item, properties[key], f"{path}.{key}" if path else key, errors)

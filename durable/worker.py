@@ -99,6 +99,21 @@ class Heartbeat(threading.Thread):
         with self._lock:
             self._current = None
 
+    def restart_timeout(self, started, renewed_at=None):
+        """Start the watched step's timeout again: an agent's run bounds each call, not the whole run.
+
+        ``renewed_at`` (monotonic, taken before the statement) says when a commit of the
+        run set the lease afresh; the lease's deadline is otherwise left as it was.
+        """
+        with self._lock:
+            current = self._current
+            if current is None or current[0] is not started:
+                return
+            lease = current[4]
+            if renewed_at is not None and not lease.lost:
+                lease.renewed = max(lease.renewed, renewed_at)
+            self._current = (started, time.monotonic(), current[2], current[3], lease)
+
     def stop(self):
         self._stop_event.set()
         self._renewals.put(None)

@@ -87,7 +87,8 @@ def _proposal_page(request, admin_site, pk, *, status=200):
             after, _ = _render_value(row["after"])
             diff.append({**row, "before": "—" if row["new"] else before, "after": after})
     timing = _timing(approval, now)
-    open_ = approval.status == ApprovalStatus.REQUESTED and _awaits(job, approval.step)
+    open_ = (approval.status == ApprovalStatus.REQUESTED
+             and job.state == approvals.awaiting_state(approval))
     may_decide = approvals.can_decide(request.user)
     history = (
         Approval.objects.filter(job_id=job.pk, step=approval.step).exclude(pk=approval.pk)
@@ -144,13 +145,6 @@ def _decide(request, admin_site, pk):
         return _proposal_page(request, admin_site, pk, status=409)
     messages.success(request, done)
     return HttpResponseRedirect(admin_url(admin_site, "durable_approvals"))
-
-
-def _awaits(job, step):
-    """Whether ``job`` is in ``step``'s approval state, as the workflow's table names it."""
-    definition = registry.get(job.workflow) if job.workflow in registry else None
-    states = definition.table.states_for(step) if definition else None
-    return states is not None and states.approval is not None and job.state == states.approval
 
 
 def _timing(approval, now):

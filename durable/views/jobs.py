@@ -24,6 +24,16 @@ from ..workflows import registry
 from .base import admin_url, context, form_reason, job_url, jobs_url, require, show_json, url_or_blank
 
 
+def _grant(job_id, *, user, reason, turns=0, budget=None):
+    from ..agent_actions import grant
+
+    try:
+        turns = int(turns or 0)
+    except (TypeError, ValueError):
+        raise OperatorError(f"turns must be a whole number, not {turns!r}") from None
+    return grant(job_id, turns=turns, budget=budget or None, user=user, reason=reason)
+
+
 @dataclass(frozen=True)
 class Verb:
     """An operator verb as the console offers it: its service, permission and words."""
@@ -46,6 +56,8 @@ VERBS = {
                    services.bulk_cancel, "Stop it for good; unsent actions are withdrawn."),
     "send_back": Verb("send_back", "Send back", "sent back", "durable.send_back_job",
                       services.send_back, None, "Return it to a state the table allows."),
+    "grant": Verb("grant", "Grant", "granted more", "durable.grant_job", _grant, None,
+                  "Give the agent more turns or budget and let it go on."),
 }
 
 
@@ -161,6 +173,8 @@ def _available_verbs(job, definition, user, lease):
         found.append("retry")
     if kind == StateKind.HUMAN:
         found.append("send_back")
+        if getattr(definition, "runs_itself", False):
+            found.append("grant")
     if kind not in (None, StateKind.TERMINAL):
         found.append("cancel")
     return [VERBS[v] for v in found if user.has_perm(VERBS[v].permission)]
@@ -197,6 +211,11 @@ def job_detail(request, model_admin, object_id):
         child["url"] = job_url(admin_site, child["pk"])
     child_count = job.children.count()
     open_children = len(services.unfinished_children(job.pk)) if child_count else 0
+    agent = None
+    if getattr(definition, "runs_itself", False):
+        from ..agent_pages import turns_of
+
+        agent = turns_of(job, show=lambda value: show_json(value, user, limit=2000))
     send_back_to = []
     if definition and kind == StateKind.HUMAN:
         send_back_to = [s for s in definition.table.edges[job.state] if s != CANCELLED]
@@ -207,7 +226,7 @@ def job_detail(request, model_admin, object_id):
         cost=sum((m["memo"].cost for m in memos), Decimal(0)),
         timeline=timeline(job),
         table=table_rows(job, definition.table) if definition else [],
-        memos=memos, actions=actions, approvals=approvals,
+        memos=memos, actions=actions, approvals=approvals, agent=agent,
         payload=show_json(job.payload, user),
         result=show_json(job.result, user) if job.result is not None else None,
         verbs=_available_verbs(job, definition, user, lease),
@@ -246,6 +265,8 @@ def job_action(request, model_admin, object_id, verb):
         kwargs["to_state"] = request.POST.get("to_state") or None
     if verb == "cancel" and request.POST.get("children") == "yes":
         kwargs["children"] = True
+    if verb == "grant":
+        kwargs.update(turns=request.POST.get("turns"), budget=request.POST.get("budget"))
     try:
         job = v.service(job_id, user=request.user, reason=reason, **kwargs)
     except DurableError as exc:

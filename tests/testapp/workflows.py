@@ -134,6 +134,7 @@ class WaitUntil(Workflow):
 # Importing these modules registers their workflows.
 from . import (  # noqa: E402, F401
     actions_workflows,
+    agent_workflows,
     approval_workflows,
     drill_workflows,
     wait_workflows,

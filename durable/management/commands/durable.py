@@ -13,7 +13,8 @@ from durable.workflows import registry
 
 class Command(BaseCommand):
     help = ("Inspect and operate durable: status [--check] | graph WORKFLOW | "
-            "requeue|cancel|retry JOB... | purge | schedules [pause|resume|run NAME]")
+            "requeue|cancel|retry JOB... | grant JOB --turns N --budget X | purge |"
+            " schedules [pause|resume|run NAME]")
 
     def add_arguments(self, parser):
         sub = parser.add_subparsers(dest="verb", required=True)
@@ -24,6 +25,12 @@ class Command(BaseCommand):
             p.add_argument("jobs", nargs="+")
             p.add_argument("--reason", default="", help="Recorded in the job's history.")
             p.add_argument("--user", default="cli", help="Who is acting (recorded).")
+        grant = sub.add_parser("grant", help="Give a parked agent more turns or budget.")
+        grant.add_argument("job")
+        grant.add_argument("--turns", type=int, default=0, help="More turns (added to its limit).")
+        grant.add_argument("--budget", default=None, help="More money (added to its budget).")
+        grant.add_argument("--reason", required=True, help="Recorded in the job's history.")
+        grant.add_argument("--user", default="cli", help="Who is acting (recorded).")
         add_purge_arguments(sub)
         add_status_arguments(sub)
         add_schedules_arguments(sub)
@@ -38,6 +45,20 @@ class Command(BaseCommand):
             raise CommandError(str(exc)) from None
         self.stdout.write(f"{wf.name} v{wf.version}")
         self.stdout.write(wf.table.render())
+        for tool in getattr(wf, "tools", ()):
+            what = (f"action {tool.kind}" + (", needs approval" if tool.approval else "")
+                    + (", many per job" if tool.many else "")) if tool.is_action else "read-only"
+            self.stdout.write(f"tool {tool.name}: {what}")
+
+    def do_grant(self, job, turns, budget, reason, user, **options):
+        from durable.agent_actions import grant
+
+        try:
+            done = grant(job, turns=turns, budget=budget, user=user, reason=reason)
+        except DurableError as exc:
+            raise CommandError(str(exc)) from None
+        self.stdout.write(f"{job}: granted (turn limit {done.turn_limit}, budget"
+                          f" {formats.money(done.budget)}); {done.state}")
 
     def _each(self, service, jobs, reason, user, done):
         failed = 0

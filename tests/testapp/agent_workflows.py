@@ -1,0 +1,99 @@
+"""Agent workflows the tests (and their worker subprocesses) run.
+
+The model is scripted: in the payload (``script``: one reply per turn, answered
+in-process) or served over HTTP by a ``durable.testing.FakeModelServer`` the test
+starts (``model_url``), reached through the real ``openai`` client. Tools append a
+line to the file named in the payload's ``log``, so a test counts how often each one
+really ran.
+"""
+
+import os
+import time
+from decimal import Decimal
+
+from durable import Action, Retry
+from durable.agents import AgentWorkflow, ToolError, tool
+from durable.llm import OpenAIChat
+from durable.testing import ScriptedModel
+
+from .workflows import record
+
+FAST = Retry(max_attempts=3, base=0.05, cap=0.2)
+
+
+@tool
+def lookup_order(ctx, order_id: str) -> dict:
+    """Look an order up by its id."""
+    record(ctx.payload, f"{ctx.job_id} lookup {order_id}")
+    if ctx.payload.get("tool_sleep"):
+        time.sleep(float(ctx.payload["tool_sleep"]))
+    if order_id == "missing":
+        raise ToolError(f"no order {order_id}")
+    return {"order_id": order_id, "amount": 250, "status": "delivered"}
+
+
+@tool(action="ticket", retry=FAST)
+def open_ticket(ctx, subject: str, priority: int = 3) -> Action:
+    """Open a ticket in the CRM."""
+    return Action("test_receiver", "create_ticket", {"subject": subject, "priority": priority})
+
+
+@tool(action="refund", approval=lambda action, ctx: action.values["amount"] > 100, retry=FAST)
+def issue_refund(ctx, order_id: str, amount: int) -> Action:
+    """Refund an order; above 100 a person approves it first."""
+    return Action("test_receiver", "refund", {"order": order_id, "amount": amount})
+
+
+@tool(action="note", many=True, approval=True, on_reject="cancel", retry=FAST)
+def send_note(ctx, text: str) -> Action:
+    """Send the customer a note (approved one by one; a rejection cancels the job)."""
+    return Action("test_receiver", "note", {"text": text})
+
+
+_clients = {}
+
+
+def _http_model(url):
+    """One client per server and process (an adapter lives as long as its process)."""
+    if url not in _clients:
+        _clients[url] = OpenAIChat("fake-model", base_url=url, timeout=60.0, connect_timeout=2.0)
+    return _clients[url]
+
+
+class SupportAgent(AgentWorkflow):
+    """The README's agent: a model with tools, a turn limit and a budget."""
+
+    name = "test_agent"
+    tools = [lookup_order, open_ticket, issue_refund, send_note]
+    max_turns = 8
+    budget = Decimal("1.00")
+    retry = FAST
+
+    def get_model(self, ctx):
+        if "model_url" in ctx.payload:
+            return _http_model(ctx.payload["model_url"])
+        return ScriptedModel(ctx.payload["script"])
+
+    def run(self, ctx, payload):
+        # A deploy between a crash and the resume: "inserted" adds a call to turn 2,
+        # "patched" adds it behind a patch marker.
+        deployed = os.environ.get("DURABLE_TEST_AGENT_DEPLOY", "")
+        chat = [{"role": "system", "content": "You are a support agent."},
+                {"role": "user", "content": payload.get("message", "Where is my order?")}]
+        for turn in ctx.turns():
+            if turn.number == 2 and (deployed == "inserted" or (
+                    deployed == "patched" and ctx.patched("check-in-turn-2"))):
+                turn.call("check", record, payload, f"{ctx.job_id} check")
+            reply = turn.model(chat)
+            chat.append(reply.message)
+            if not reply.tool_calls:
+                return {"answer": reply.text, "turns": turn.number}
+            chat.extend(turn.call_tools(reply))
+
+
+class LongAgent(SupportAgent):
+    """The same agent with room for long runs (the 100-turn drill and benchmark)."""
+
+    name = "test_agent_long"
+    max_turns = 1000
+    budget = None
