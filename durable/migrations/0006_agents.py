@@ -13,7 +13,7 @@ class Migration(migrations.Migration):
     operations = [
         migrations.AlterModelOptions(
             name='job',
-            options={'permissions': [('view_payload', 'Can see job payloads and outputs unredacted'), ('requeue_job', 'Can requeue a failed job'), ('retry_job', 'Can retry a job now'), ('cancel_job', 'Can cancel a job'), ('send_back_job', 'Can send back a job that needs a human'), ('replay_step', 'Can replay a step and replace its memo'), ('pause_workflow', 'Can pause and resume workflows'), ('grant_job', 'Can grant an agent more turns or budget')], 'verbose_name': 'job', 'verbose_name_plural': 'jobs'},
+            options={'permissions': [('view_payload', 'Can see job payloads and outputs unredacted'), ('requeue_job', 'Can requeue a failed job'), ('retry_job', 'Can retry a job now'), ('cancel_job', 'Can cancel a job'), ('send_back_job', 'Can send back a job that needs a human'), ('replay_step', 'Can replay a step and replace its memo'), ('pause_workflow', 'Can pause and resume workflows'), ('send_signal', 'Can deliver a signal to a job by hand'), ('grant_job', 'Can grant an agent more turns or budget')], 'verbose_name': 'job', 'verbose_name_plural': 'jobs'},
         ),
         migrations.AddField(
             model_name='approval',
