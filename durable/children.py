@@ -60,6 +60,9 @@ def spawn_many(ctx, workflow, children, queue="default"):
     return ids
 
 
+# The name of a join that waits for every child of its parent.
+EVERY_CHILD = "*"
+
 _cache = {}
 
 
@@ -69,9 +72,19 @@ def _kinds_q(kinds):
     key = (registry.generation, kinds)
     cached = _cache.get(key)
     if cached is None:
-        cached = Q(pk__in=[])
+        # One IN for the states of these kinds in every workflow that has them, an
+        # exception per state whose kind differs between workflows: a short query to
+        # build and to run, even with many workflows registered.
+        by_state = {}
         for definition in registry.all():
-            cached |= Q(workflow=definition.name, state__in=definition.table.states_of_kind(*kinds))
+            for state, kind in definition.table.kinds.items():
+                by_state.setdefault(state, {})[definition.name] = kind in kinds
+        everywhere = sorted(s for s, found in by_state.items() if all(found.values()))
+        cached = Q(state__in=everywhere)
+        for state, found in sorted(by_state.items()):
+            if any(found.values()) and not all(found.values()):
+                cached |= Q(state=state, workflow__in=sorted(w for w, ok in found.items() if ok))
+        cached &= Q(workflow__in=registry.names())
         if len(_cache) > 8:
             _cache.clear()
         _cache[key] = cached
@@ -141,7 +154,11 @@ def join(ctx, children, timeout=None):
             resolve(ctx, key, WaitKind.JOIN, "", "joined" if not still else "timed_out",
                     [list(p) for p in pairs], deadline=deadline, data={"children": children})
             return dict(pairs)
-    raise WaitingOn(WaitKind.JOIN, key, "", deadline, data={"children": children})
+    # A join of every child the parent has is named "*": its wake-up then asks only
+    # whether any child is open, without reading the list back.
+    everyone = Job.objects.filter(parent_id=ctx.job_id).count() == len(set(children))
+    raise WaitingOn(WaitKind.JOIN, key, EVERY_CHILD if everyone else "", deadline,
+                    data={"children": children})
 
 
 def wake_parent(parent_id, child):
@@ -155,12 +172,18 @@ def wake_parent(parent_id, child):
               .values("awaiting", "workflow").first())
     if parent is None or not parent["awaiting"]:
         return False
-    wait = Wait.objects.filter(job_id=parent_id, key=parent["awaiting"], kind=WaitKind.JOIN,
-                               resolved__isnull=True).only("data").first()
-    if wait is None or child not in set(wait.data["children"]):
+    waits = Wait.objects.filter(job_id=parent_id, key=parent["awaiting"], kind=WaitKind.JOIN,
+                                resolved__isnull=True)
+    name = waits.values_list("name", flat=True).first()
+    if name is None:
         return False
-    if open_children(parent_id, wait.data["children"]):
-        return False
+    if name == EVERY_CHILD:
+        if Job.objects.filter(parent_id=parent_id).exclude(settled_q()).exists():
+            return False
+    else:
+        children = waits.values_list("data", flat=True).first()["children"]
+        if child not in set(children) or open_children(parent_id, children):
+            return False
     woke = wake(parent_id, parent["awaiting"], parent["workflow"])
     if woke:
         JobEvent.objects.create(job_id=parent_id, kind=EventKind.SIGNAL, actor="system",

@@ -46,6 +46,7 @@ def test_the_parent_parks_holding_nothing_and_the_last_child_wakes_it_once():
     assert parked.state == "joining_fan_out"
     assert (parked.lease_owner, parked.next_run_at) == (None, None)
     assert parked.awaiting == "fan_out/join"
+    assert Wait.objects.get(job_id="p").name == "*"  # every child: the wake asks only "any open?"
     runner.run(runner.claim())  # the first child: the parent stays parked
     assert job("p").next_run_at is None and wakes("p") == 0
     runner.run(runner.claim())  # the second and last child wakes it
@@ -112,3 +113,20 @@ def test_spawn_is_idempotent_fenced_and_refuses_a_child_id_another_parent_holds(
     with pytest.raises(IdempotencyConflict, match="another job's child"):
         ctx(claimed.lease_token).spawn_many("child", {"e": {"n": 0}, "d": {"n": 0}})
     assert not Job.objects.filter(pk="p/child/e").exists()  # all or none
+
+
+def test_a_join_of_some_children_wakes_when_those_finish_while_another_still_runs():
+    from durable.runner import Runner
+
+    durable.submit("subset_parent", "s", {})
+    runner = Runner("inline", chain=False)
+    runner.run(runner.claim())
+    assert job("s").state == "joining_fan_out"
+    assert Wait.objects.get(job_id="s").name == ""  # not every child: the list is read back
+    runner.run(runner.claim())  # s/child/a
+    assert wakes("s") == 0
+    runner.run(runner.claim())  # s/child/b: the last of the joined two
+    assert wakes("s") == 1 and job("s/child/c").state == "pending"
+    parent = Runner("inline", workflows=["subset_parent"])
+    parent.run(parent.claim())
+    assert job("s").result == {"s/child/a": "ok", "s/child/b": "ok"}

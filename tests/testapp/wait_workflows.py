@@ -77,3 +77,15 @@ class NotDeclared(Workflow):
     @step
     def ask(self, payload, ctx):
         return ctx.wait_for("x")
+
+
+class SubsetParent(Workflow):
+    """Spawns children a, b and c, and joins only a and b."""
+
+    name = "subset_parent"
+
+    @step(joins=True)
+    def fan_out(self, payload, ctx):
+        first = ctx.spawn_many("child", {"a": {"n": 1}, "b": {"n": 2}})
+        ctx.spawn("child", "c", {"n": 3})
+        return {k: v["outcome"] for k, v in ctx.join(first).items()}
