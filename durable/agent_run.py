@@ -16,9 +16,6 @@ import logging
 import time
 from decimal import Decimal
 
-from django.db import transaction
-from django.db.models.functions import Now
-
 from . import faults, locking
 from .agents import RUNNING, Divergence, DuplicateKey, Suspended, ToolError
 from .exceptions import LeaseLost
@@ -250,22 +247,16 @@ class AgentRun:
         lease = self.runner.lease_seconds
         faults.point("agent_before_memo")
         renewed_at = time.monotonic()
-        with transaction.atomic():
-            moved = Job.objects.filter(
-                pk=self.claimed.id, state=RUNNING, lease_token=self.claimed.lease_token,
-                lease_until__gte=Now(),
-            ).update(progress={"turn": turn, "key": key, "calls": self.seq}, attempts=1,
-                     updated=Now(), lease_until=locking.now_plus(lease),
-                     next_run_at=locking.now_plus(lease), last_error="")
-            if moved != 1:
-                raise LeaseLost(f"lost the lease of job {self.claimed.id} before {key!r} committed")
-            StepResult.objects.create(
-                job_id=self.claimed.id, step=key, kind=kind, name=name[:100], seq=self.seq,
-                turn=turn, fingerprint=fp or "", output=json.loads(output_json), cost=cost,
-                input_tokens=int(input_tokens or 0), output_tokens=int(output_tokens or 0),
-                model=(model or "")[:100], duration=duration, attempt=self.started.attempt,
-                workflow=self.workflow.name,
-            )
+        ok = locking.commit_memo(
+            self.claimed, RUNNING, lease, json.dumps({"turn": turn, "key": key, "calls": self.seq}),
+            key=key, kind=str(kind), name=name[:100], seq=self.seq, turn=turn,
+            fingerprint=fp or "", output_json=output_json, cost=cost,
+            input_tokens=int(input_tokens or 0), output_tokens=int(output_tokens or 0),
+            model=(model or "")[:100], duration=duration, attempt=self.started.attempt,
+            workflow=self.workflow.name,
+        )
+        if not ok:
+            raise LeaseLost(f"lost the lease of job {self.claimed.id} before {key!r} committed")
         self._restart_timeout(renewed_at)  # the commit set the lease afresh
         faults.point("agent_after_memo")
         # The call succeeded: the next one starts its own count of attempts.

@@ -654,3 +654,75 @@ def _sqlite_complete(db, claimed, path, *, keep, terminal, lease_seconds, attemp
         sqlite_execute(_SQLITE_MEMO, (claimed.id, step, output_json, str(cost),
                                       duration // _MICROSECOND, attempt, workflow), db)
     return True
+
+
+# An agent's memo commit: one per model or tool call -----------------------------------------
+
+_PG_MEMO = """
+WITH moved AS (
+    UPDATE durable_job
+    SET progress = %(progress)s::jsonb, attempts = 1, updated = statement_timestamp(),
+        lease_until = statement_timestamp() + %(lease)s * interval '1 second',
+        next_run_at = statement_timestamp() + %(lease)s * interval '1 second',
+        last_error = ''
+    WHERE id = %(id)s AND state = %(state)s AND lease_token = %(token)s
+      AND lease_until >= statement_timestamp()
+    RETURNING id
+)
+INSERT INTO durable_stepresult (job_id, step, kind, name, seq, turn, fingerprint, output, cost,
+                                input_tokens, output_tokens, model, duration, attempt, workflow, at)
+SELECT moved.id, %(key)s, %(kind)s, %(name)s, %(seq)s, %(turn)s, %(fingerprint)s,
+       %(output)s::jsonb, %(cost)s, %(input_tokens)s, %(output_tokens)s, %(model)s,
+       %(micros)s * interval '1 microsecond', %(attempt)s, %(workflow)s, statement_timestamp()
+FROM moved
+"""
+
+_SQLITE_MEMO_MOVE = f"""
+UPDATE durable_job
+SET progress = ?, attempts = 1, updated = {_SQLITE_NOW},
+    lease_until = strftime('%Y-%m-%d %H:%M:%f', 'now', ?),
+    next_run_at = strftime('%Y-%m-%d %H:%M:%f', 'now', ?),
+    last_error = ''
+WHERE id = ? AND state = ? AND lease_token = ? AND lease_until >= {_SQLITE_NOW}
+"""
+
+_SQLITE_MEMO_ROW = f"""
+INSERT INTO durable_stepresult (job_id, step, kind, name, seq, turn, fingerprint, output, cost,
+                                input_tokens, output_tokens, model, duration, attempt, workflow, at)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, {_SQLITE_NOW})
+"""
+
+
+def commit_memo(claimed, state, lease_seconds, progress_json, *, key, kind, name, seq, turn,
+                fingerprint, output_json, cost, input_tokens, output_tokens, model, duration,
+                attempt, workflow):
+    """Write one memo of a leased job with its progress, renewing the lease: one fenced commit.
+
+    On PostgreSQL one statement that commits itself (the insert reads the UPDATE's
+    RETURNING, so a fenced-out worker inserts nothing); on SQLite two statements in one
+    IMMEDIATE transaction. Returns False, having written nothing, when the lease was
+    lost or the job moved.
+    """
+    db = _db()
+    micros = duration // _MICROSECOND
+    if db.vendor == "postgresql":
+        return pg_execute(_PG_MEMO, {
+            "progress": progress_json, "lease": float(lease_seconds), "id": claimed.id,
+            "state": state, "token": claimed.lease_token, "key": key, "kind": kind, "name": name,
+            "seq": seq, "turn": turn, "fingerprint": fingerprint, "output": output_json,
+            "cost": cost, "input_tokens": input_tokens, "output_tokens": output_tokens,
+            "model": model, "micros": micros, "attempt": attempt, "workflow": workflow,
+        }, db).rowcount == 1
+
+    def write(db):
+        modifier = f"+{float(lease_seconds)} seconds"
+        moved = sqlite_execute(_SQLITE_MEMO_MOVE, (progress_json, modifier, modifier, claimed.id,
+                                                   state, claimed.lease_token), db)
+        if moved.rowcount != 1:
+            return False
+        sqlite_execute(_SQLITE_MEMO_ROW, (claimed.id, key, kind, name, seq, turn, fingerprint,
+                                          output_json, str(cost), input_tokens, output_tokens,
+                                          model, micros, attempt, workflow), db)
+        return True
+
+    return sqlite_transaction(write, db)
