@@ -24,7 +24,7 @@ from .llm import ModelReply, ModelReplyInvalid
 from .models import EventKind, Job, JobEvent, MemoKind, StepResult
 from .retry import scrub
 from .serialization import storable_json
-from .workflows import NeedsHuman, Output
+from .workflows import NeedsHuman, Output, WaitingOn
 
 logger = logging.getLogger("durable.agents")
 
@@ -130,6 +130,8 @@ class AgentRun:
         except Suspended as signal_:
             runner._signal_finished(started, signal_.outcome)
             return None
+        except WaitingOn as waiting:
+            return runner._suspend(started, waiting)
         except LeaseLost:
             runner._lost(started)
             return None
@@ -297,6 +299,44 @@ class AgentContext:
     def attempt(self):
         return self._run.started.attempt
 
+    # What the waits (durable.inbox, durable.children) read of a context.
+    step = "run"
+
+    @property
+    def lease_token(self):
+        return self._run.claimed.lease_token
+
+    @property
+    def db_now(self):
+        return self._run.claimed.db_now
+
+    def wait_for(self, name, timeout=None, *, key=None, repeat=False):
+        """The payload of the oldest unread signal ``name``, or ``durable.TIMED_OUT``.
+
+        Recorded under ``key`` (default ``wait/<name>``; in a turn ``t3/wait/<name>``):
+        a re-run returns the same payload. Without a signal the job parks in
+        ``waiting``, holding no worker, until one arrives or ``timeout`` passes.
+        """
+        from .inbox import wait_for
+
+        return wait_for(self, name, timeout, key=self._run.use_key(key or f"wait/{name}", repeat))
+
+    def spawn(self, workflow, key, payload, queue="default"):
+        """Submit one child job ``<job>/<workflow>/<key>``; returns its id."""
+        return self.spawn_many(workflow, {key: payload}, queue=queue)[0]
+
+    def spawn_many(self, workflow, children, queue="default"):
+        """Submit the child jobs ``{key: payload}`` in one transaction (all or none); their ids."""
+        from .children import spawn_many
+
+        return spawn_many(self, workflow, children, queue=queue)
+
+    def join(self, children, timeout=None, *, key="join", repeat=False):
+        """``{child id: outcome}`` in key order once every child finished; parks in ``joining``."""
+        from .children import join
+
+        return join(self, children, timeout, key=self._run.use_key(key, repeat))
+
     @property
     def spent(self):
         """The money this job's recorded calls cost so far (the budget's ledger)."""
@@ -462,6 +502,10 @@ class Turn:
 
     def call(self, name, fn, *args, **kwargs):
         return self.ctx.call(self.key(name), fn, *args, turn=self.number, **kwargs)
+
+    def wait_for(self, name, timeout=None):
+        """``ctx.wait_for`` keyed ``t<n>/wait/<name>``: one signal per turn."""
+        return self.ctx.wait_for(name, timeout, key=self.key(f"wait/{name}"))
 
     def __repr__(self):
         return f"<Turn {self.number}>"

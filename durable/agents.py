@@ -46,6 +46,8 @@ RUNNING = "running"
 AWAITING_APPROVAL = "awaiting_approval"
 IN_FLIGHT = "action_in_flight"
 UNKNOWN = "action_unknown"
+WAITING = "waiting"  # ctx.wait_for(): parked until a signal or the deadline
+JOINING = "joining"  # ctx.join(): parked until the last child finishes or the deadline
 DONE = "done"
 FAILED = "failed"
 RUN = "run"  # the one step of the table: run() from the top
@@ -185,8 +187,12 @@ def agent_table():
     """The transition table every agent workflow shares; where inside running is the memo keys."""
     edges = {
         PENDING: (RUNNING, CANCELLED),
-        RUNNING: (DONE, AWAITING_APPROVAL, IN_FLIGHT, NEEDS_HUMAN, FAILED, PENDING),
+        RUNNING: (DONE, AWAITING_APPROVAL, IN_FLIGHT, WAITING, JOINING, NEEDS_HUMAN, FAILED,
+                  PENDING),
         AWAITING_APPROVAL: (PENDING, CANCELLED),
+        # A wake-up (or the deadline) runs run() from the top again; cancel is implicit.
+        WAITING: (RUNNING,),
+        JOINING: (RUNNING,),
         IN_FLIGHT: (PENDING, UNKNOWN),
         UNKNOWN: (PENDING, IN_FLIGHT),
         NEEDS_HUMAN: (PENDING, CANCELLED),
@@ -198,10 +204,11 @@ def agent_table():
         PENDING: StateKind.INITIAL, RUNNING: StateKind.WORKING,
         AWAITING_APPROVAL: StateKind.APPROVAL, IN_FLIGHT: StateKind.IN_FLIGHT,
         UNKNOWN: StateKind.UNKNOWN, NEEDS_HUMAN: StateKind.HUMAN, FAILED: StateKind.FAILED,
+        WAITING: StateKind.SIGNAL, JOINING: StateKind.JOIN,
         DONE: StateKind.TERMINAL, CANCELLED: StateKind.TERMINAL,
     }
     run = StepStates(step=RUN, before=PENDING, working=RUNNING, done=DONE, failure=FAILED,
-                     human=NEEDS_HUMAN)
+                     human=NEEDS_HUMAN, signal=WAITING, join=JOINING)
     return TransitionTable(edges=edges, kinds=kinds, steps=[run])
 
 

@@ -134,13 +134,13 @@ def outcomes(parent_id, children):
     return found
 
 
-def join(ctx, children, timeout=None):
+def join(ctx, children, timeout=None, key=None):
     """``ctx.join``: {child id: outcome} in key order once all finished (or the deadline passed)."""
     from .inbox import _deadline
     from .workflows import WaitingOn
 
     children = list(children)
-    key = ctx.key("join", "")
+    key = key or ctx.key("join", "")
     wait, result = recorded(ctx, key)
     if wait is not None and wait.outcome:
         return dict(result)

@@ -151,11 +151,11 @@ def resolve(ctx, key, kind, name, outcome, result, *, signal=None, deadline=None
     )
 
 
-def wait_for(ctx, name, timeout=None):
+def wait_for(ctx, name, timeout=None, key=None):
     """``ctx.wait_for``: the oldest unconsumed signal's payload, TIMED_OUT, or park."""
     from .workflows import WaitingOn
 
-    key = ctx.key("wait", name)
+    key = key or ctx.key("wait", name)
     wait, outcome = recorded(ctx, key)
     if wait is not None and wait.outcome:
         return outcome

@@ -90,8 +90,8 @@ def test_bad_declarations_are_refused_at_import():
 
 def test_the_agent_table_is_derived_and_validated():
     table = registry.get("test_agent").table
-    assert table.edges["running"] == ("done", "awaiting_approval", "action_in_flight",
-                                      "needs_human", "failed", "pending")
+    assert table.edges["running"] == ("done", "awaiting_approval", "action_in_flight", "waiting",
+                                      "joining", "needs_human", "failed", "pending")
     assert table.allows("action_in_flight", "pending")
     assert not table.allows("done", "running")
     assert "running -> done" in " ".join(table.render().split())

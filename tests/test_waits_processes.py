@@ -160,3 +160,19 @@ def test_1000_children_of_one_parent_are_joined(workers, tmp_path):
     assert set(job.result["outcomes"].values()) == {"ok"} and len(job.result["outcomes"]) == 1000
     assert wakes("p") == 1
     assert Job.objects.filter(parent_id="p", state="work_done").count() == 1000
+
+
+def test_an_agent_waits_with_no_worker_and_a_new_worker_finishes_it_after_the_signals(workers):
+    durable.submit("waiting_agent", "agent", {})
+    proc = workers.start(DURABLE_LEASE_SECONDS=2)
+    wait_for(lambda: state("agent") == "waiting", message="the agent to park")
+    workers.kill(proc)
+    assert Job.objects.get(pk="agent").lease_owner is None
+    durable.signal("agent", "reply", "one", dedupe_key="1")
+    durable.signal("agent", "reply", "two", dedupe_key="2")
+    proc = workers.start(processes=2, DURABLE_LEASE_SECONDS=2)
+    wait_for(lambda: state("agent") == "done", timeout=60, message="the agent to finish")
+    workers.terminate(proc)
+    assert Job.objects.get(pk="agent").result == {
+        "replies": ["one", "two"], "children": {"agent/child/a": "ok", "agent/child/b": "ok"}}
+    assert wakes("agent") <= 1  # its children finished while it ran, or woke it once

@@ -89,3 +89,21 @@ class SubsetParent(Workflow):
         first = ctx.spawn_many("child", {"a": {"n": 1}, "b": {"n": 2}})
         ctx.spawn("child", "c", {"n": 3})
         return {k: v["outcome"] for k, v in ctx.join(first).items()}
+
+
+from durable.agents import AgentWorkflow  # noqa: E402
+
+
+class WaitingAgent(AgentWorkflow):
+    """An agent that reads one signal per turn, then fans out to two children and joins them."""
+
+    name = "waiting_agent"
+
+    def run(self, ctx, payload):
+        replies = []
+        for turn in ctx.turns(payload.get("turns", 2)):
+            got = turn.wait_for("reply", timeout=payload.get("timeout"))
+            replies.append("timed out" if got is TIMED_OUT else got)
+        kids = ctx.spawn_many("child", {"a": {"n": 1}, "b": {"n": 2}})
+        joined = ctx.join(kids)
+        return {"replies": replies, "children": {k: v["outcome"] for k, v in joined.items()}}
