@@ -96,8 +96,11 @@ STATIC_URL = "static/"
 STATIC_ROOT = BASE_DIR / "staticfiles"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
-# The demo's CRM (``manage.py demo`` starts it on 127.0.0.1 and sets DEMO_CRM_URL).
+# The demo's CRM, payments service and model server (``manage.py demo`` starts them on
+# 127.0.0.1 and sets these).
 DEMO_CRM_URL = env("DEMO_CRM_URL", default="http://127.0.0.1:8702")
+DEMO_REFUNDS_URL = env("DEMO_REFUNDS_URL", default="http://127.0.0.1:8703")
+DEMO_MODEL_URL = env("DEMO_MODEL_URL", default="http://127.0.0.1:8704/v1")
 
 DURABLE = {
     "LEASE_SECONDS": env.float("DURABLE_LEASE_SECONDS", default=60),
@@ -113,7 +116,18 @@ DURABLE = {
             "LOOKUP_URL": f"{DEMO_CRM_URL}/actions/lookup?key={{key}}",
             "TIMEOUT": (1.0, 3.0),
         },
+        # The support agent's refunds: deduplicated by key, looked up after a lost reply.
+        "refunds": {
+            "CLASS": "durable.destinations.HttpDestination",
+            "URL": f"{DEMO_REFUNDS_URL}/actions",
+            "IDEMPOTENT": True,
+            "LOOKUP_URL": f"{DEMO_REFUNDS_URL}/actions/lookup?key={{key}}",
+            "TIMEOUT": (1.0, 3.0),
+        },
     },
+    # The price of each model call, per million tokens (the demo's model is priced like a
+    # hosted one). A provider that reports its own cost in the reply wins over this table.
+    "MODEL_PRICES": {"demo-model": {"input": "2.50", "output": "10.00"}},
 }
 
 # Plain @task functions (Django 6's django.tasks, or the django-tasks backport on

@@ -222,13 +222,15 @@ def test_the_demo_runs_end_to_end_kills_a_worker_and_loses_nothing(tmp_path):
     assert "taken over by" in out
 
     with closing(sqlite3.connect(db)) as conn:
-        states = dict(conn.execute("SELECT state, COUNT(*) FROM durable_job GROUP BY state"))
+        states = dict(conn.execute("SELECT state, COUNT(*) FROM durable_job WHERE workflow ="
+                                   " 'pipeline' GROUP BY state"))
         killed = out.split("while it was extracting ")[1].split()[0]
         reclaimed = conn.execute("SELECT COUNT(*) FROM durable_jobevent WHERE job_id = ? AND"
                                  " kind = 'reclaimed'", [killed]).fetchone()[0]
         memos = conn.execute("SELECT COUNT(*), COUNT(DISTINCT job_id || '/' || step)"
                              " FROM durable_stepresult").fetchone()
-        delivered = conn.execute("SELECT COUNT(*) FROM durable_outbox WHERE status ="
+        delivered = conn.execute("SELECT COUNT(*) FROM durable_outbox o JOIN durable_job j ON"
+                                 " j.id = o.job_id WHERE j.workflow = 'pipeline' AND o.status ="
                                  " 'succeeded'").fetchone()[0]
     # The plan of 12: 2 flaky, 1 slow, 1 doubtful, 1 malformed, 1 gone, 6 ok; the
     # deals of 10,000 EUR or more wait for approval.
@@ -243,6 +245,46 @@ def test_the_demo_runs_end_to_end_kills_a_worker_and_loses_nothing(tmp_path):
     created, distinct = crm_line.split("created")[1].split(" distinct")[0].split(",")
     assert int(created) == int(distinct) == delivered
     assert "durable status" in out or "pipeline" in out
+    check_the_support_agent(out, db)
+
+
+def check_the_support_agent(out, db):
+    """The agent's part of the demo: resumed after the kill, paid once, one ticket each, a refund waiting."""
+    import json
+    import re
+    from pathlib import Path
+
+    from project.demo.support import REQUESTS
+
+    victim = re.search(r"while it waited for the model's reply to (support-\S+),", out).group(1)
+    recorded, paid = map(int, re.search(r"model calls +(\d+) recorded, one memo each; the model server"
+                                        r" was paid for (\d+)", out).groups())
+    assert paid == recorded + 1  # the call the kill interrupted, and nothing else
+    with closing(sqlite3.connect(db)) as conn:
+        jobs = dict(conn.execute("SELECT id, state FROM durable_job WHERE workflow = 'support'"))
+        memos = conn.execute("SELECT job_id, step, input_tokens, output_tokens, model, cost FROM"
+                             " durable_stepresult WHERE kind = 'model' ORDER BY job_id, seq").fetchall()
+        reclaimed = conn.execute("SELECT COUNT(*) FROM durable_jobevent WHERE job_id = ? AND"
+                                 " kind = 'reclaimed'", [victim]).fetchone()[0]
+        waiting = conn.execute("SELECT id, job_id, step, summary FROM durable_approval WHERE status"
+                               " = 'requested' AND job_id IN (SELECT id FROM durable_job WHERE"
+                               " workflow = 'support')").fetchall()
+    assert len(jobs) == len(REQUESTS) and reclaimed == 1
+    assert sorted(jobs.values()) == ["awaiting_approval"] + ["done"] * (len(REQUESTS) - 1)
+    assert len(memos) == recorded and len({(m[0], m[1]) for m in memos}) == recorded
+    assert [m[1] for m in memos if m[0] == victim] == ["t1/model", "t2/model", "t3/model"]
+    for _, _, tokens_in, tokens_out, name, cost in memos:
+        price = (Decimal("2.50") * tokens_in + Decimal("10.00") * tokens_out) / 1_000_000
+        assert name == "demo-model" and Decimal(str(cost)) == price.quantize(Decimal("0.000001")) > 0
+    [(approval, job_id, step, summary)] = waiting
+    assert (job_id, step) == (victim, "t3/tool/call_3_1") and "Refund 249.00 EUR" in summary
+    assert f"waits in the approval queue: /admin/durable/approvals/{approval}/" in out
+    folder = Path(re.search(r"\(log: (\S+)/workers\.log\)", out).group(1))
+    tickets = [json.loads(line)["body"] for line in (folder / "crm.jsonl").read_text().splitlines()
+               if json.loads(line)["body"].get("type") == "ticket"]
+    assert sorted(t["request"] for t in tickets) == sorted(jobs)  # one ticket per request
+    refunds = [json.loads(line)["body"]["amount"] for line in (folder / "refunds.jsonl").read_text().splitlines()]
+    assert sorted(refunds) == ["39.90", "64.50"]  # the small ones; 249.00 waits for a person
 
 
 def installed_stamp(venv):

@@ -6,6 +6,7 @@
     deliver  creates the lead in the CRM: an action, approved by a person above a threshold
 
 ``python manage.py demo`` starts the source and the CRM on 127.0.0.1 and submits a batch.
+Beside it runs the support agent of the second article (``support.py``).
 """
 
 import hashlib
@@ -18,6 +19,7 @@ import requests
 from durable import Action, NeedsHuman, Output, Retry, Workflow, step
 
 from . import model
+from .support import SupportAgent  # noqa: F401 - registers the "support" agent
 
 # Deals at or above this many euros wait for a person's approval before the CRM sees them.
 APPROVAL_THRESHOLD = Decimal(os.environ.get("DEMO_APPROVAL_THRESHOLD", "10000"))

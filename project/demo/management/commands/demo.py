@@ -1,9 +1,10 @@
-"""``manage.py demo``: the lead pipeline running for real, with a crash on purpose.
+"""``manage.py demo``: the lead pipeline and the support agent running for real, with crashes on purpose.
 
-It migrates, creates an operator login, starts the document source and the CRM on
-127.0.0.1, submits a batch of leads, starts the site and ``runworkers``, SIGKILLs one
-worker in the middle of a step, lets the others finish, and says where to look.
-Nothing leaves the machine.
+It migrates, creates an operator login, starts the document source, the CRM, the
+payments service and the model server on 127.0.0.1, submits a batch of leads and a
+few customer messages for the support agent, starts the site and ``runworkers``,
+SIGKILLs one worker in the middle of a step and another while it waits for a model's
+reply, lets the others finish, and says where to look. Nothing leaves the machine.
 """
 
 import os
@@ -32,6 +33,8 @@ from durable.states import StateKind
 from durable.testing import ReceiverProcess, read_store
 from durable.workflows import registry
 
+from ...processes import in_group, pid_of
+from ...support_story import SupportStory
 from ...workflows import APPROVAL_THRESHOLD
 
 WORKFLOW = "pipeline"
@@ -47,7 +50,8 @@ MANAGE = Path(settings.BASE_DIR) / "manage.py"
 
 class Command(BaseCommand):
     help = ("Run the demo: leads fetched, extracted by a simulated model, verified and "
-            "delivered to a CRM, with one worker killed on purpose. Loopback only.")
+            "delivered to a CRM, and a support agent answering customers with tools, with"
+            " workers killed on purpose. Loopback only.")
 
     def add_arguments(self, parser):
         parser.add_argument("--docs", type=int, default=24, help="Leads in the batch.")
@@ -111,17 +115,21 @@ class Command(BaseCommand):
         crm = ReceiverProcess(self.folder / "crm.jsonl", loss_rate=lose_replies, seed=7).start()
         self.started.append(("crm", crm))
         self.say(f"   document source  {source_url}  (some fetches slow, flaky or gone)")
-        self.say(f"   CRM              {crm.url}  (idempotency keys, lookup;"
+        self.say(f"   CRM              {crm.url}  (leads and tickets; idempotency keys, lookup;"
                  f" {lose_replies:.0%} of replies lost after acting)")
+        story = SupportStory(self, self.folder, lose_replies)
+        agent_env = story.start(self.started, crm)
 
-        self.heading(f"3. A batch of {docs} leads")
-        keys = self._submit(source_url, docs)
+        run = time.strftime("%H%M%S")
+        self.heading(f"3. A batch of {docs} leads, and customers writing to support")
+        keys = self._submit(source_url, docs, run)
         big = sum(1 for n in range(1, docs + 1) if _budget(n) >= APPROVAL_THRESHOLD)
         self.say(f"   submitted {keys[0]} .. {keys[-1]}; deals of {APPROVAL_THRESHOLD:,} EUR"
                  f" or more need approval (about {big})")
+        story.submit(run)
 
         env = {**os.environ, "DEMO_CRM_URL": crm.url, "DURABLE_LEASE_SECONDS": str(lease),
-               "DEMO_SPEED": str(speed), "PYTHONUNBUFFERED": "1"}
+               "DEMO_SPEED": str(speed), "PYTHONUNBUFFERED": "1", **agent_env}
         self.heading("4. Site and workers")
         if not no_server:
             self._spawn("site", [sys.executable, str(MANAGE), "runserver", f"127.0.0.1:{port}",
@@ -132,20 +140,27 @@ class Command(BaseCommand):
         self.say(f"   runworkers --processes {workers}, pid {runworkers.pid}, lease {lease:g}s"
                  f"  (log: {self.folder}/workers.log)")
 
-        killed = None
+        killed = agent_killed = None
         if not no_kill:
             killed = self._kill_one(runworkers, keys)
-        settled = self._wait(keys, timeout, runworkers)
+            agent_killed = story.kill_mid_call(runworkers)
+        else:
+            story.model.release()
+        settled = self._wait({WORKFLOW: keys, "support": story.keys}, timeout, runworkers)
         self._summary(keys, killed, crm, settled)
+        story.summary(agent_killed)
         if no_server:
             self.heading("6. Workers drain; the terminal view")
             self._terminate("workers")
             self._status()
             self.say(f"\nThe database keeps the jobs: `python {MANAGE.name} runserver` and log in"
                      " as operator to see them in the console.")
+            for approval, path in story.proposals():
+                self.say(f"The refund proposal waits in the approval queue: {path}"
+                         f" ({approval.summary})")
             return
-        self._where_to_look(port, password, keys)
-        self._follow(keys)
+        self._where_to_look(port, password, keys, story)
+        self._follow(keys + story.keys)
 
     def _operator(self):
         password = secrets.token_urlsafe(9)
@@ -164,8 +179,7 @@ class Command(BaseCommand):
             raise CommandError("The document source did not start")
         return url
 
-    def _submit(self, source_url, docs):
-        run = time.strftime("%H%M%S")
+    def _submit(self, source_url, docs, run):
         keys = []
         for n in range(1, docs + 1):
             kind = PLAN[(n - 1) % len(PLAN)]
@@ -186,13 +200,13 @@ class Command(BaseCommand):
 
     def _kill_one(self, runworkers, keys):
         """SIGKILL a worker of ours while it holds a lease in the middle of extract."""
-        self.heading("5. A worker is killed on purpose")
+        self.heading("5. Workers are killed on purpose")
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             for job in Job.objects.filter(pk__in=keys, state="extracting",
                                           lease_owner__isnull=False):
-                pid = _pid_of(job.lease_owner)
-                if pid and _in_group(pid, runworkers.pid):
+                pid = pid_of(job.lease_owner)
+                if pid and in_group(pid, runworkers.pid):
                     os.kill(pid, signal.SIGKILL)
                     self.say(f"   SIGKILL worker pid {pid} while it was extracting {job.pk}"
                              f" (attempt {job.attempts}); the supervisor starts a replacement,"
@@ -204,20 +218,24 @@ class Command(BaseCommand):
         self.say("   no worker was caught mid-extract; nothing was killed")
         return None
 
-    def _wait(self, keys, timeout, runworkers):
+    def _wait(self, keys_by_workflow, timeout, runworkers):
         """Print progress until every job finished or waits for a person."""
-        table = registry.get(WORKFLOW).table
-        order = list(table.edges)
         deadline = time.monotonic() + timeout
         began = time.monotonic()
         last = None
         while True:
-            counts = Counter(Job.objects.filter(pk__in=keys).values_list("state", flat=True))
-            line = "  ".join(f"{s} {counts[s]}" for s in sorted(counts, key=order.index))
+            parts, settled = [], True
+            for workflow, keys in keys_by_workflow.items():
+                table = registry.get(workflow).table
+                order = list(table.edges)
+                counts = Counter(Job.objects.filter(pk__in=keys).values_list("state", flat=True))
+                parts.append("  ".join(f"{s} {counts[s]}" for s in sorted(counts, key=order.index)))
+                settled = settled and all(table.kinds[s] in SETTLED for s in counts)
+            line = "  |  ".join(parts)
             if line != last:
                 self.say(f"   +{time.monotonic() - began:5.1f}s  {line}")
                 last = line
-            if all(table.kinds[s] in SETTLED for s in counts):
+            if settled:
                 return True
             if time.monotonic() > deadline:
                 self.say(f"   still moving after {timeout:g}s; see {self.folder}/workers.log")
@@ -243,12 +261,12 @@ class Command(BaseCommand):
         cost = memos.aggregate(total=Sum("cost"))["total"] or Decimal(0)
         self.say(f"   model cost                  {cost:.4f} EUR"
                  f" over {memos.filter(step='extract').count()} extractions")
-        records = read_store(crm.store_path)
+        records = [r for r in read_store(crm.store_path) if r["body"].get("type") != "ticket"]
         distinct = len({r["key"] for r in records})
         self.say(f"   CRM leads created           {len(records)}, {distinct} distinct"
                  " idempotency keys (a lost reply is looked up, never sent twice blindly)")
         settled_by_lookup = Outbox.objects.filter(job_id__in=keys, lookups__gt=0).count()
-        self.say(f"   lost CRM replies settled    {settled_by_lookup} by looking the key up")
+        self.say(f"   lost lead replies settled   {settled_by_lookup} by looking the key up")
         if killed:
             taken = JobEvent.objects.filter(job_id=killed["job"], kind=EventKind.RECLAIMED).first()
             extracts = memos.filter(job_id=killed["job"], step="extract").count()
@@ -264,7 +282,7 @@ class Command(BaseCommand):
         if not settled:
             self.say("   (the batch had not settled when the demo stopped waiting)")
 
-    def _where_to_look(self, port, password, keys):
+    def _where_to_look(self, port, password, keys, story):
         base = f"http://127.0.0.1:{port}"
         self.heading(f"Where to look (log in as operator / {password})")
         self.say(f"   {'home':15} {base}/")
@@ -276,8 +294,10 @@ class Command(BaseCommand):
         ):
             self.say(f"   {label:15} {base}{_url(name, fallback)}")
         self.say(f"   {'metrics':15} {base}/metrics")
-        self.say("\nThe site and the workers keep running: approve the large deals and watch them"
-                 " reach the CRM here. Press Ctrl-C to stop.")
+        story.where_to_look(base)
+        self.say("\nThe site and the workers keep running: approve the large deals and the refund"
+                 " and watch them reach the CRM and the payments service here. Press Ctrl-C to"
+                 " stop.")
 
     def _follow(self, keys):
         seen = set(Job.objects.filter(pk__in=keys, state="delivered").values_list("pk", flat=True))
@@ -287,7 +307,7 @@ class Command(BaseCommand):
                 if isinstance(proc, subprocess.Popen) and proc.poll() is not None:
                     raise CommandError(f"{name} exited: see {self.folder}/{name}.log")
             for job in Job.objects.filter(pk__in=keys).exclude(pk__in=seen).filter(
-                    state__in=["delivered", "cancelled"]):
+                    state__in=["delivered", "done", "cancelled"]):
                 seen.add(job.pk)
                 self.say(f"   {job.pk} {job.state}")
 
@@ -314,7 +334,7 @@ class Command(BaseCommand):
 
     def _stop_all(self):
         for name, proc in reversed(getattr(self, "started", [])):
-            if isinstance(proc, ReceiverProcess):
+            if not isinstance(proc, subprocess.Popen):  # a receiver, the model server
                 proc.stop()
                 continue
             if proc.poll() is None:
@@ -367,22 +387,6 @@ def _port_free(port):
         except OSError:
             return False
     return True
-
-
-def _pid_of(owner):
-    """The pid in a worker id ``host:pid:worker0``."""
-    try:
-        return int(owner.rsplit(":", 2)[-2])
-    except (ValueError, IndexError):
-        return None
-
-
-def _in_group(pid, group):
-    """Whether ``pid`` belongs to the process group we started (never kill anyone else's)."""
-    try:
-        return os.getpgid(pid) == group
-    except ProcessLookupError:
-        return False
 
 
 def _signal_group(proc, sig):
