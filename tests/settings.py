@@ -55,6 +55,9 @@ DURABLE = {
     "DB_DEAD_AFTER": float(os.environ.get("DURABLE_DB_DEAD_AFTER", 20)),
     # The schedule drills hand their schedules to the worker processes they start.
     "SCHEDULES": json.loads(os.environ.get("DURABLE_TEST_SCHEDULES", "{}")),
+    # Agent drills hand their destinations and the model price table to their workers.
+    "DESTINATIONS": json.loads(os.environ.get("DURABLE_TEST_DESTINATIONS", "{}")),
+    "MODEL_PRICES": json.loads(os.environ.get("DURABLE_TEST_MODEL_PRICES", "{}")),
 }
 
 LOGGING = {
