@@ -32,6 +32,9 @@ def home(request):
         {"label": "CRM: actions applied", "url": f"{crm}/_actions",
          "about": "what the demo's CRM has applied, as JSON (manage.py demo starts it on"
                   " 127.0.0.1; it deduplicates idempotency keys and answers lookups)"},
+        {"label": "Payments: refunds applied", "url": f"{settings.DEMO_REFUNDS_URL.rstrip('/')}/_actions",
+         "about": "the refunds the support agent has sent, as JSON (a large one waits in the"
+                  " approval queue first)"},
     ]
     return render(request, "home.html", {
         "console": _links(CONSOLE),

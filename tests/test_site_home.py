@@ -41,10 +41,12 @@ def test_the_home_page_links_to_every_console_page_and_they_open(client):
 
 def test_the_home_page_links_to_the_demo_s_services(client, settings):
     settings.DEMO_CRM_URL = "http://127.0.0.1:8999/"
+    settings.DEMO_REFUNDS_URL = "http://127.0.0.1:8998"
 
     links = hrefs(client.get("/").content.decode())
 
     assert "http://127.0.0.1:8999/_actions" in links
+    assert "http://127.0.0.1:8998/_actions" in links
     assert reverse("durable-metrics") in links
 
 
