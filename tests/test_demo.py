@@ -261,14 +261,14 @@ def check_the_support_agent(out, db):
                                         r" was paid for (\d+)", out).groups())
     assert paid == recorded + 1  # the call the kill interrupted, and nothing else
     with closing(sqlite3.connect(db)) as conn:
-        jobs = dict(conn.execute("SELECT id, state FROM durable_job WHERE workflow = 'support'"))
+        jobs = dict(conn.execute("SELECT id, state FROM durable_job WHERE workflow = 'customer_support'"))
         memos = conn.execute("SELECT job_id, step, input_tokens, output_tokens, model, cost FROM"
                              " durable_stepresult WHERE kind = 'model' ORDER BY job_id, seq").fetchall()
         reclaimed = conn.execute("SELECT COUNT(*) FROM durable_jobevent WHERE job_id = ? AND"
                                  " kind = 'reclaimed'", [victim]).fetchone()[0]
         waiting = conn.execute("SELECT id, job_id, step, summary FROM durable_approval WHERE status"
                                " = 'requested' AND job_id IN (SELECT id FROM durable_job WHERE"
-                               " workflow = 'support')").fetchall()
+                               " workflow = 'customer_support')").fetchall()
     assert len(jobs) == len(REQUESTS) and reclaimed == 1
     assert sorted(jobs.values()) == ["awaiting_approval"] + ["done"] * (len(REQUESTS) - 1)
     assert len(memos) == recorded and len({(m[0], m[1]) for m in memos}) == recorded

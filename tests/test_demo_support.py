@@ -58,7 +58,7 @@ def world(settings, run_worker_inline):
 @pytest.mark.django_db
 def test_a_small_complaint_is_refunded_without_asking_and_answered(world):
     model, crm, refunds, settle = world
-    durable.submit("support", "r1", {"message": support.REQUESTS[0]})
+    durable.submit("customer_support", "r1", {"message": support.REQUESTS[0]})
     assert settle("r1") == ["done"]
     job = Job.objects.get(pk="r1")
     assert "refunded 39.90 EUR" in job.result["answer"] and job.result["turns"] == 4
@@ -77,7 +77,7 @@ def test_a_small_complaint_is_refunded_without_asking_and_answered(world):
 @pytest.mark.django_db
 def test_a_large_refund_waits_for_approval_and_is_sent_once_approved(world, admin_user):
     model, crm, refunds, settle = world
-    durable.submit("support", "r2", {"message": support.REQUESTS[1]})
+    durable.submit("customer_support", "r2", {"message": support.REQUESTS[1]})
     assert settle("r2") == ["awaiting_approval"]
     proposal = Approval.objects.get(job_id="r2", status="requested")
     assert proposal.step == "t3/tool/call_3_1"
@@ -93,7 +93,7 @@ def test_a_large_refund_waits_for_approval_and_is_sent_once_approved(world, admi
 @pytest.mark.django_db
 def test_a_rejected_refund_comes_back_to_the_model_which_answers_the_customer(world, admin_user):
     model, crm, refunds, settle = world
-    durable.submit("support", "r3", {"message": support.REQUESTS[1]})
+    durable.submit("customer_support", "r3", {"message": support.REQUESTS[1]})
     assert settle("r3") == ["awaiting_approval"]
     proposal = Approval.objects.get(job_id="r3", status="requested")
     approvals.reject(proposal.pk, proposal.proposal_hash, admin_user, reason="send it for repair first")
@@ -105,7 +105,7 @@ def test_a_rejected_refund_comes_back_to_the_model_which_answers_the_customer(wo
 @pytest.mark.django_db
 def test_an_unknown_order_is_data_for_the_model_not_a_crash(world):
     model, crm, refunds, settle = world
-    durable.submit("support", "r5", {"message": support.REQUESTS[4]})
+    durable.submit("customer_support", "r5", {"message": support.REQUESTS[4]})
     assert settle("r5") == ["done"]
     assert "could not find an order A-9999" in Job.objects.get(pk="r5").result["answer"]
     lookup = StepResult.objects.get(job_id="r5", step="t1/tool/call_1_1")
@@ -117,7 +117,7 @@ def test_an_unknown_order_is_data_for_the_model_not_a_crash(world):
 def test_a_lost_crm_reply_is_looked_up_and_the_ticket_is_opened_once(world):
     model, crm, refunds, settle = world
     crm.behave("drop_after_acting", times=1)
-    durable.submit("support", "r4", {"message": support.REQUESTS[2]})
+    durable.submit("customer_support", "r4", {"message": support.REQUESTS[2]})
     assert settle("r4") == ["done"]
     assert len(crm.actions) == 1
     assert crm.actions[0]["id"] in Job.objects.get(pk="r4").result["answer"]

@@ -52,7 +52,7 @@ def priced(tokens_in, tokens_out):
 def test_a_worker_killed_during_a_held_model_call_resumes_paying_only_that_call_again(workers, world):
     model, crm, refunds, env = world
     model.hold(lambda body: turn_of(body) == 1)  # the second model call, after the lookup
-    durable.submit("support", "kill", {"message": REQUESTS[0]})
+    durable.submit("customer_support", "kill", {"message": REQUESTS[0]})
     first = workers.start(**env)
     model.wait_for_calls(2, timeout=60)
     assert state("kill") == "running"
@@ -81,7 +81,7 @@ def test_a_worker_killed_during_a_held_model_call_resumes_paying_only_that_call_
 def test_a_rate_limited_model_call_is_retried_after_its_retry_after(workers, world):
     model, crm, refunds, env = world
     model.fault("rate_limited", retry_after=2)
-    durable.submit("support", "429", {"message": REQUESTS[2]})
+    durable.submit("customer_support", "429", {"message": REQUESTS[2]})
     proc = workers.start(**env)
     wait_for(lambda: state("429") == "done", timeout=60, message="the agent to finish")
     workers.terminate(proc)
@@ -96,7 +96,7 @@ def test_a_rate_limited_model_call_is_retried_after_its_retry_after(workers, wor
 def test_a_refused_model_call_is_poison_the_job_fails_and_keeps_the_error(workers, world):
     model, crm, refunds, env = world
     model.fault("bad_request")
-    durable.submit("support", "400", {"message": REQUESTS[2]})
+    durable.submit("customer_support", "400", {"message": REQUESTS[2]})
     proc = workers.start(**env)
     wait_for(lambda: state("400") == "failed", timeout=60, message="the job to fail")
     workers.terminate(proc)

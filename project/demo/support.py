@@ -109,7 +109,7 @@ _models = {}
 class SupportAgent(AgentWorkflow):
     """A customer's message in, an answer out; tickets and refunds on the way."""
 
-    name = "support"
+    name = "customer_support"
     tools = [lookup_order, open_ticket, issue_refund]
     max_turns = 6
     budget = Decimal("0.05")

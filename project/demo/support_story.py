@@ -27,7 +27,7 @@ from .processes import in_group, pid_of
 from .support import MODEL, REFUND_APPROVAL_ABOVE, REQUESTS
 from .support_model import conversation, support_script
 
-WORKFLOW = "support"
+WORKFLOW = "customer_support"
 # The request whose model call is interrupted: the large refund, at its third call
 # (after the order was looked up and the ticket opened), so the resumed run replays
 # a read tool and an action from their memos before it asks the model again.
@@ -49,6 +49,7 @@ class SupportStory:
         self.model = None
         self.refunds = None
         self.keys = []
+        self.workflow = WORKFLOW
 
     def say(self, text):
         self.command.say(text)

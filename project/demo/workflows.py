@@ -19,7 +19,7 @@ import requests
 from durable import Action, NeedsHuman, Output, Retry, Workflow, step
 
 from . import model
-from .support import SupportAgent  # noqa: F401 - registers the "support" agent
+from .support import SupportAgent  # noqa: F401 - registers the "customer_support" agent
 
 # Deals at or above this many euros wait for a person's approval before the CRM sees them.
 APPROVAL_THRESHOLD = Decimal(os.environ.get("DEMO_APPROVAL_THRESHOLD", "10000"))

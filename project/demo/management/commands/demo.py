@@ -146,7 +146,7 @@ class Command(BaseCommand):
             agent_killed = story.kill_mid_call(runworkers)
         else:
             story.model.release()
-        settled = self._wait({WORKFLOW: keys, "support": story.keys}, timeout, runworkers)
+        settled = self._wait({WORKFLOW: keys, story.workflow: story.keys}, timeout, runworkers)
         self._summary(keys, killed, crm, settled)
         story.summary(agent_killed)
         if no_server:
