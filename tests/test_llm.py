@@ -285,3 +285,13 @@ def test_the_api_key_is_the_given_one_else_the_sdks_environment_variable_else_no
     monkeypatch.setenv(variable, "key-from-the-environment")
     assert key_sent() == "key-from-the-environment"
     assert key_sent(api_key="key-given") == "key-given"
+
+
+def test_both_adapters_are_models_an_agent_calls_directly(server):
+    from durable.agents import Model
+    from durable.llm import AnthropicMessages
+
+    pytest.importorskip("anthropic")
+    with chat(server) as openai_model, AnthropicMessages("fake-model", base_url=server.root_url) as claude_model:
+        assert isinstance(openai_model, Model) and isinstance(claude_model, Model)
+        assert isinstance(openai_model.complete(MESSAGES), ModelReply)
