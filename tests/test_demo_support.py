@@ -74,15 +74,22 @@ def test_a_small_complaint_is_refunded_without_asking_and_answered(world):
         assert memo.cost == price.quantize(Decimal("0.000001")) > 0
 
 
-@pytest.mark.django_db
-def test_a_large_refund_waits_for_approval_and_is_sent_once_approved(world, admin_user):
+def proposed_refund(world, key):
+    """Submit the large refund's request; return the proposal it waits on."""
     model, crm, refunds, settle = world
-    durable.submit("customer_support", "r2", {"message": support.REQUESTS[1]})
-    assert settle("r2") == ["awaiting_approval"]
-    proposal = Approval.objects.get(job_id="r2", status="requested")
+    durable.submit("customer_support", key, {"message": support.REQUESTS[1]})
+    assert settle(key) == ["awaiting_approval"]
+    proposal = Approval.objects.get(job_id=key, status="requested")
     assert proposal.step == "t3/tool/call_3_1"
     assert "Refund 249.00 EUR to Grace Hopper for order A-1002" in proposal.summary
     assert len(crm.actions) == 1 and refunds.actions == []
+    return proposal
+
+
+@pytest.mark.django_db
+def test_a_large_refund_waits_for_approval_and_is_sent_once_approved(world, admin_user):
+    model, crm, refunds, settle = world
+    proposal = proposed_refund(world, "r2")
     approvals.approve(proposal.pk, proposal.proposal_hash, admin_user, note="faulty unit")
     assert settle("r2") == ["done"]
     assert [a["body"]["amount"] for a in refunds.actions] == ["249.00"]
@@ -93,9 +100,7 @@ def test_a_large_refund_waits_for_approval_and_is_sent_once_approved(world, admi
 @pytest.mark.django_db
 def test_a_rejected_refund_comes_back_to_the_model_which_answers_the_customer(world, admin_user):
     model, crm, refunds, settle = world
-    durable.submit("customer_support", "r3", {"message": support.REQUESTS[1]})
-    assert settle("r3") == ["awaiting_approval"]
-    proposal = Approval.objects.get(job_id="r3", status="requested")
+    proposal = proposed_refund(world, "r3")
     approvals.reject(proposal.pk, proposal.proposal_hash, admin_user, reason="send it for repair first")
     assert settle("r3") == ["done"]
     assert "send it for repair first" in Job.objects.get(pk="r3").result["answer"]
