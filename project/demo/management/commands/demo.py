@@ -300,14 +300,15 @@ class Command(BaseCommand):
                  " stop.")
 
     def _follow(self, keys):
-        seen = set(Job.objects.filter(pk__in=keys, state="delivered").values_list("pk", flat=True))
+        finished = ["delivered", "done", "cancelled"]
+        seen = set(Job.objects.filter(pk__in=keys, state__in=finished).values_list("pk", flat=True))
         while True:
             time.sleep(1)
             for name, proc in self.started:
                 if isinstance(proc, subprocess.Popen) and proc.poll() is not None:
                     raise CommandError(f"{name} exited: see {self.folder}/{name}.log")
             for job in Job.objects.filter(pk__in=keys).exclude(pk__in=seen).filter(
-                    state__in=["delivered", "done", "cancelled"]):
+                    state__in=finished):
                 seen.add(job.pk)
                 self.say(f"   {job.pk} {job.state}")
 
