@@ -47,3 +47,19 @@ def test_the_readme_price_table_prices_each_call_and_a_dated_name_by_its_family(
     prices = {key: Decimal(value) for key, value in table[name].items()}
     assert result.model == answered and result.priced == "table"
     assert result.cost == (prices["input"] * 2000 + prices["output"] * 500) / 1_000_000 > 0
+
+
+def test_the_readme_tool_schema_comes_from_the_hints_and_docstring_and_checks_the_arguments():
+    module = readme_block("def open_ticket(")
+    tool = module.open_ticket
+    assert tool.is_action and tool.kind == "ticket"
+    parameters = tool.schema["function"]["parameters"]
+    assert tool.schema["function"]["description"] == "Open a ticket in the CRM."
+    assert parameters["required"] == ["order_id", "subject"]
+    assert parameters["properties"]["priority"] == {
+        "enum": ["low", "normal", "high"], "type": "string",
+        "description": "How soon a person should look at it.", "default": "normal"}
+    assert tool.errors({"order_id": "A-1", "priority": "urgent"}) == [
+        "arguments: missing required argument 'subject'",
+        "priority: 'urgent' is not one of ['low', 'normal', 'high']"]
+    assert tool.errors({"order_id": "A-1", "subject": "Broken"}) == []
