@@ -137,5 +137,6 @@ from . import (  # noqa: E402, F401
     agent_workflows,
     approval_workflows,
     drill_workflows,
+    operator_workflows,
     wait_workflows,
 )

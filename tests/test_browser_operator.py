@@ -1,0 +1,156 @@
+"""The console as a new operator meets it, in a real browser (issue 17).
+
+Chromium (headless, the system's) drives the admin on pytest-django's live server:
+the narrow phone layout, the admin index's links, a proposal that expires while it
+is open, and the confirmations before a decision.
+"""
+
+import datetime
+
+import pytest
+from django.db import transaction
+from django.db.models.functions import Now
+
+from durable import locking, services
+from durable.destinations import registry as destinations
+from durable.models import Approval, ApprovalStatus
+from durable.testing import Receiver
+from tests.test_console_support import OPERATE, make_action, make_job, make_memo, make_user
+from tests.testapp.approval_workflows import use_refunds_receiver, write_order
+
+pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
+
+PHONE = {"width": 390, "height": 844}
+DESKTOP = {"width": 1440, "height": 900}
+
+
+@pytest.fixture
+def receiver():
+    with Receiver() as remote:
+        use_refunds_receiver(remote.url)
+        yield remote
+    destinations.unregister("refunds")
+
+
+@pytest.fixture
+def proposal(tmp_path, receiver, run_worker_inline):
+    path = str(tmp_path / "order.json")
+    write_order(path, id="123", amount="42.00", currency="EUR")
+    services.submit("refund", "order-123", {"order_file": path}, submitted_by="alice")
+    run_worker_inline()
+    return Approval.objects.get(job_id="order-123", status=ApprovalStatus.REQUESTED)
+
+
+@pytest.fixture
+def console(page, live_server):
+    make_user("olga", *OPERATE, "approve_proposal")
+    page.set_viewport_size(DESKTOP)
+    page.goto(f"{live_server.url}/admin/login/?next=/admin/durable/dashboard/")
+    page.fill("#id_username", "olga")
+    page.fill("#id_password", "password")
+    page.click("input[type=submit]")
+    page.wait_for_url("**/admin/durable/dashboard/")
+    page.base = live_server.url
+    return page
+
+
+@pytest.fixture
+def some_of_everything(proposal):
+    with transaction.atomic():
+        now = locking.db_now()
+        failed = make_job("doc-1-with-a-rather-long-idempotency-key-0001", "failed_extract",
+                          now=now, last_error="ValueError: the document has no budget line "
+                                              "and no currency we could recognise")
+        make_memo(failed, "fetch", "0.000807", now=now)
+        make_job("doc-2", "needs_human", now=now, last_error="the model is only 45% sure")
+        unknown = make_job("doc-3", "unknown_create_ticket", workflow="ticket", now=now)
+        make_action(unknown, "create_ticket", last_error="no reply in time: ReadTimeout")
+    return proposal
+
+
+def overflow(page):
+    """How many CSS pixels the page is wider than the viewport (0: it fits)."""
+    return page.evaluate(
+        "() => Math.max(document.documentElement.scrollWidth, document.body.scrollWidth)"
+        " - window.innerWidth")
+
+
+@pytest.mark.xfail(strict=True, reason="issue 17 item 10")
+def test_10_every_console_page_fits_a_390_px_phone(console, some_of_everything):
+    approval = some_of_everything
+    pages = [
+        "/admin/durable/dashboard/",
+        "/admin/durable/job/",
+        "/admin/durable/job/doc-1-with-a-rather-long-idempotency-key-0001/change/",
+        "/admin/durable/job/doc-2/change/",
+        "/admin/durable/reconcile/",
+        "/admin/durable/costs/",
+        "/admin/durable/approvals/",
+        f"/admin/durable/approvals/{approval.pk}/",
+        "/admin/durable/job/bulk/requeue/",
+    ]
+    console.set_viewport_size(PHONE)
+    wide = {}
+    for path in pages:
+        console.goto(console.base + path)
+        extra = overflow(console)
+        if extra > 0:
+            wide[path] = extra
+    assert wide == {}, f"pages wider than 390 px (by px): {wide}"
+
+
+@pytest.mark.xfail(strict=True, reason="issue 17 item 4")
+def test_4_paused_workflows_from_the_admin_index_opens_a_page(console):
+    services.pause("refund", user="ops", reason="maintenance")
+    console.goto(console.base + "/admin/durable/")
+    console.get_by_role("link", name="Paused workflows").first.click()
+    console.wait_for_load_state()
+    assert "refund" in console.locator("#content").inner_text()
+
+
+@pytest.mark.xfail(strict=True, reason="issue 17 item 4")
+def test_4_a_login_after_an_expired_session_on_a_button_lands_on_a_page(page, live_server):
+    make_user("olga", *OPERATE)
+    make_job("doc-9", "fetched")
+    page.goto(f"{live_server.url}/admin/login/?next=/admin/durable/job/doc-9/act/cancel/")
+    page.fill("#id_username", "olga")
+    page.fill("#id_password", "password")
+    page.click("input[type=submit]")
+    page.wait_for_load_state()
+    body = page.locator("body").inner_text()
+    assert "doc-9" in body
+    page.get_by_role("link", name="doc-9").first.click()
+    page.wait_for_url("**/admin/durable/job/doc-9/change/")
+
+
+@pytest.mark.xfail(strict=True, reason="issue 17 item 1 and 8")
+def test_1_a_proposal_that_expires_while_open_can_be_prepared_again(
+        console, proposal, run_worker_inline):
+    console.goto(f"{console.base}/admin/durable/approvals/{proposal.pk}/")
+    Approval.objects.filter(pk=proposal.pk).update(expires_at=Now() - datetime.timedelta(seconds=1))
+    dialogs = []
+    console.on("dialog", lambda d: (dialogs.append(d.message), d.accept()))
+    console.get_by_role("button", name="Approve").click()
+    console.wait_for_load_state()
+    assert dialogs, "Approve asks for confirmation first"
+    assert "expired" in console.locator(".messagelist").inner_text()
+
+    console.get_by_role("button", name="Prepare again").click()
+    console.wait_for_load_state()
+    run_worker_inline()
+    fresh = Approval.objects.get(job_id="order-123", status=ApprovalStatus.REQUESTED)
+    assert fresh.pk != proposal.pk
+    console.goto(f"{console.base}/admin/durable/approvals/")
+    assert console.locator(f'[data-approval="{fresh.pk}"]').is_visible()
+
+
+@pytest.mark.xfail(strict=True, reason="issue 17 item 8")
+def test_8_reject_says_it_cancels_the_job_and_asks_first(console, proposal):
+    console.goto(f"{console.base}/admin/durable/approvals/{proposal.pk}/")
+    dialogs = []
+    console.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+    console.fill("#reject-reason", "wrong amount")
+    console.get_by_role("button", name="Reject").click()
+    assert dialogs and "cancel" in dialogs[0].lower()
+    # Dismissed: nothing was decided.
+    assert Approval.objects.get(pk=proposal.pk).status == ApprovalStatus.REQUESTED
