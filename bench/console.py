@@ -311,9 +311,8 @@ def measure(repeat):
 
 def child(args):
     """In a fresh process with the bench settings: migrate, generate, measure."""
-    from django.core.management import call_command
-
     import django
+    from django.core.management import call_command
 
     django.setup()
     from django.db import connection
@@ -375,7 +374,7 @@ def main(argv=None):
                         os.remove(path + suffix)
             env["BENCH_SQLITE_PATH"] = path
 
-            def cleanup():
+            def cleanup(path=path):
                 for suffix in ("", "-wal", "-shm"):
                     if os.path.exists(path + suffix):
                         os.remove(path + suffix)

@@ -13,9 +13,10 @@ from django.db.models import F
 from django.db.models.functions import Now
 
 from . import audit, destinations, locking
-from .dispatch import OUTBOX_CHANNEL, _Context, complete, fail, step_of_row
+from .dispatch import OUTBOX_CHANNEL, _Context, complete, step_of_row
 from .exceptions import ActionChanged, DurableError, OperatorError
 from .models import EventKind, Job, JobEvent, Outbox, OutboxStatus
+from .states import CANCELLED
 from .workflows import registry
 
 logger = logging.getLogger("durable.dispatch")
@@ -190,7 +191,11 @@ def mark_not_happened(action_id, *, version, user=None, reason=""):
 
 
 def cancel_action(action_id, *, version, user=None, reason=""):
-    """Withdraw an action that is not settled; the job goes to the step's failed state."""
+    """Withdraw an action that is not settled; the job is cancelled (a decision, not a failure).
+
+    Nothing is sent for it again. An action whose outcome was unknown may still have
+    happened at the destination: the job's history says so, with who decided and why.
+    """
     with transaction.atomic():
         ctx = _locked(action_id, version, user, reason)
         _require(ctx, (OutboxStatus.PENDING, *_UNSETTLED), "cancel it")
@@ -203,7 +208,9 @@ def cancel_action(action_id, *, version, user=None, reason=""):
         error = f"action {note} by {who}" + (f": {reason}" if reason else "")
         _bump(row, status=OutboxStatus.CANCELLED, next_attempt_at=None, last_error=error)
         _record(ctx, user, "cancel action", reason, version)
-        fail(ctx, error, actor=who, kind=EventKind.OPERATOR, data={"verb": "cancel action"})
+        _move(ctx, CANCELLED, user, "cancel action", reason, version, fields={
+            "next_run_at": None, "lease_until": None, "lease_owner": None, "last_error": error,
+        })
     logger.info("%s cancelled action %s: %s", who, action_id, error)
     return ctx.row
 

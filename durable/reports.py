@@ -18,6 +18,7 @@ from django.db.models import (
     Avg,
     Count,
     DurationField,
+    Exists,
     ExpressionWrapper,
     F,
     Max,
@@ -28,12 +29,13 @@ from django.db.models import (
     Sum,
     Value,
 )
-from django.db.models.functions import TruncDate
+from django.db.models.functions import Concat, TruncDate
 
 from . import formats, locking
 from .conf import durable_settings
 from .models import (
     Approval,
+    ApprovalStatus,
     CostRollup,
     EventKind,
     Job,
@@ -301,14 +303,46 @@ def stuck_count(*, now=None, workflow=None):
     ).count()
 
 
+def awaiting_decision(workflow=None):
+    """The proposals a person must act on: the latest of each job awaiting approval.
+
+    Open ones wait for Approve or Reject; an expired one (nobody decided in time, or the
+    decision came too late) can only be prepared again. Each job in an approval state
+    is here exactly once, so this count is the count of those jobs.
+    """
+    later = Approval.objects.filter(job_id=OuterRef("job_id"), step=OuterRef("step"),
+                                    pk__gt=OuterRef("pk"))
+    qs = Approval.objects.filter(
+        status__in=[ApprovalStatus.REQUESTED, ApprovalStatus.EXPIRED],
+        job__state=Concat(Value("awaiting_approval_"), F("step")),
+    ).exclude(Exists(later))
+    return scoped(qs, workflow, "job__workflow")
+
+
 # 3. What is failing, and is it one cause or many? ---------------------------------------
+
+# An HTTP status names the cause ("404 Client Error", "HTTP 503", "status code 429"):
+# it is kept when ids, counts and ports are masked.
+_STATUS_BEFORE = re.compile(r"(?:\bHTTP(?:/[\d.]+)?|\bstatus(?: code)?|\bcode)[\s:=]*$", re.I)
+_STATUS_AFTER = re.compile(r"\s+(?:Client|Server) Error\b", re.I)
+
+
+def _masked_number(match):
+    number = match[0]
+    if re.fullmatch(r"[1-5]\d\d", number) and (
+        _STATUS_AFTER.match(match.string, match.end())
+        or _STATUS_BEFORE.search(match.string, 0, match.start())
+    ):
+        return number
+    return "<n>" if len(number) < 8 else "<hex>"
+
 
 _CLASS = re.compile(r"^([A-Za-z_][\w.]*)(?::\s*|$)")
 _NORMALISERS = [
     (re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", re.I), "<uuid>"),
     (re.compile(r"'[^']*'"), "'…'"),
     (re.compile(r'"[^"]*"'), '"…"'),
-    (re.compile(r"\b[0-9a-f]*\d[0-9a-f]*\b", re.I), lambda m: "<n>" if len(m[0]) < 8 else "<hex>"),
+    (re.compile(r"\b[0-9a-f]*\d[0-9a-f]*\b", re.I), lambda m: _masked_number(m)),
     (re.compile(r"\s+"), " "),
 ]
 MESSAGE_CHARS = 160
@@ -568,19 +602,21 @@ def alerts(*, now=None, workflow=None):
             "failures", {}, failed,
         ))
     horizon = now + datetime.timedelta(seconds=float(durable_settings.ALERT_APPROVAL_EXPIRY_SECONDS))
-    expiring = scoped(
-        Approval.objects.pending().filter(expires_at__lte=horizon), workflow, "job__workflow"
-    )
+    waiting = awaiting_decision(workflow)
+    expiring = waiting.filter(Q(status=ApprovalStatus.EXPIRED) | Q(expires_at__lte=horizon))
     count = expiring.count()
     if count:
         soonest = expiring.order_by("expires_at").values_list("expires_at", flat=True).first()
         left = (soonest - now).total_seconds()
-        when = f"the first in {formats.age(left)}" if left > 0 else "some have already expired"
+        expired = left <= 0
+        when = f"the first in {formats.age(left)}" if not expired else "some have already expired"
         found.append(Alert(
-            "approvals", "warning",
-            f"{count} approval{'s' if count != 1 else ''} about to expire",
-            f"Pending proposals expire soon ({when}); an expired one must be proposed again.",
-            "Decide them in the approval queue.",
+            "approvals", "error" if expired else "warning",
+            f"{count} approval{'s' if count != 1 else ''} "
+            + ("expired or about to expire" if expired else "about to expire"),
+            f"Pending proposals expire soon ({when}). The job of an expired proposal waits "
+            "until someone prepares it again; nothing else moves it.",
+            "Decide them in the approval queue; open an expired one and click Prepare again.",
             "approvals", {}, count,
         ))
     unknown = scoped(Outbox.objects.unknown(), workflow, "job__workflow").count()

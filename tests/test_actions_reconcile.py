@@ -119,12 +119,12 @@ def test_look_up_again_is_refused_for_a_destination_without_lookup(unknown):
         reconcile.lookup_again(row.pk, version=row.version, user="ops")
 
 
-def test_cancelling_an_unknown_action_fails_the_job_and_sends_nothing_more(unknown, drive):
+def test_cancelling_an_unknown_action_cancels_the_job_and_sends_nothing_more(unknown, drive):
     row = action("t1")
     reconcile.cancel_action(row.pk, version=row.version, user="ops", reason="handled by phone")
 
     assert action("t1").status == OutboxStatus.CANCELLED
-    assert job("t1").state == "failed_create_ticket"
+    assert job("t1").state == "cancelled"  # a decision, not a failure to requeue
     assert "may have happened" in job("t1").last_error
     assert "handled by phone" in job("t1").last_error
     assert Dispatcher(name="d", threads=1).run_once() == 0
@@ -141,7 +141,7 @@ def test_cancelling_a_pending_action_withdraws_it_before_it_is_sent(receiver, dr
     reconcile.cancel_action(row.pk, version=row.version, user="ops", reason="wrong customer")
 
     assert action("t1").status == OutboxStatus.CANCELLED
-    assert job("t1").state == "failed_create_ticket"
+    assert job("t1").state == "cancelled"
     assert "cancelled before it was sent" in job("t1").last_error
 
 

@@ -94,13 +94,13 @@ def test_a_decision_on_a_row_that_changed_since_the_page_was_read_is_refused(ope
     assert action("t1").status == OutboxStatus.PENDING
 
 
-def test_cancel_settles_the_action_and_fails_the_job(operator, unknown):
+def test_cancel_settles_the_action_and_cancels_the_job(operator, unknown):
     row = action("t1")
 
     operator.post(decide(row.pk, "cancel"), {"version": row.version, "reason": "customer asked"})
 
     assert action("t1").status == OutboxStatus.CANCELLED
-    assert job("t1").state == "failed_create_ticket"
+    assert job("t1").state == "cancelled"
     assert "No action is waiting" in operator.get(PAGE).content.decode()
 
 

@@ -137,7 +137,6 @@ def test_1_the_stranded_job_page_links_to_prepare_again(propose, operator):
     assert "Prepare again" in page
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 1")
 def test_1_every_job_awaiting_approval_has_an_open_or_expired_proposal_alert(propose):
     from durable import reports
 
@@ -342,7 +341,6 @@ def test_7_a_failure_groups_link_lists_that_groups_jobs_only(operator):
         assert len({k[0] for k in keys}) == 1, f"{link} mixes groups: {keys}"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 7")
 def test_7_the_masked_cause_keeps_the_http_status():
     from durable import reports
 
@@ -425,7 +423,6 @@ def test_9_reconciliation_shows_what_the_lookups_said(unknown_action, operator):
     assert f"action {unknown_action.pk}, version" not in page
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 9")
 def test_9_cancelling_an_unknown_action_on_purpose_is_not_a_failure(unknown_action, operator):
     from durable import reports
 

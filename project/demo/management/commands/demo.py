@@ -54,22 +54,22 @@ class Command(BaseCommand):
             " workers killed on purpose. Loopback only.")
 
     def add_arguments(self, parser):
-        parser.add_argument("--docs", type=int, default=24, help="Leads in the batch.")
-        parser.add_argument("--workers", type=int, default=3, help="Worker processes.")
+        parser.add_argument("--docs", type=int, default=24, help="Leads in the batch. (default: %(default)s)")
+        parser.add_argument("--workers", type=int, default=3, help="Worker processes. (default: %(default)s)")
         parser.add_argument("--no-server", action="store_true",
                             help="Terminal only: no web site; ends with `durable status`.")
-        parser.add_argument("--port", type=int, default=8000, help="Port of the site.")
+        parser.add_argument("--port", type=int, default=8000, help="Port of the site. (default: %(default)s)")
         parser.add_argument("--lose-replies", type=float, default=0.2,
                             help="Share of CRM replies lost after the CRM acted (settled by"
-                                 " lookup).")
+                                 " lookup). (default: %(default)s)")
         parser.add_argument("--no-kill", action="store_true", help="Do not kill a worker.")
         parser.add_argument("--lease", type=float, default=12.0,
                             help="Lease seconds for the demo's workers (short, so a killed"
-                                 " worker's job is taken over quickly).")
+                                 " worker's job is taken over quickly). (default: %(default)s)")
         parser.add_argument("--timeout", type=float, default=300.0,
-                            help="Seconds to wait for the batch to settle.")
+                            help="Seconds to wait for the batch to settle. (default: %(default)s)")
         parser.add_argument("--speed", type=float, default=1.0,
-                            help="Scale of the simulated model's delays (1 = real time).")
+                            help="Scale of the simulated model's delays (1 = real time). (default: %(default)s)")
 
     def handle(self, *args, docs, workers, no_server, port, lose_replies, no_kill, lease,
                timeout, speed, **options):
