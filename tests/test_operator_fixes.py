@@ -521,7 +521,6 @@ def test_12_a_needs_human_question_is_not_labelled_last_error(operator):
     assert "Question for a person" in page
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 12")
 def test_12_demo_help_shows_the_defaults():
     out = subprocess.run([sys.executable, str(ROOT / "manage.py"), "demo", "--help"],
                          capture_output=True, text=True, check=True, cwd=ROOT).stdout
