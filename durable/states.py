@@ -202,6 +202,36 @@ class TransitionTable:
         return "\n".join(lines)
 
 
+def _prepare_again_from(st, earlier):
+    """The state a proposal of ``st`` is prepared again from, or None for its own start."""
+    names = getattr(st, "prepared_from", None) or ()
+    for states in earlier:
+        if states.step in names:
+            return states.before
+    return None
+
+
+def prepare_again_plan(table, st):
+    """``(state, [steps])``: where a job goes to prepare a new proposal for step ``st``,
+    and the earlier steps that run again on the way (their memos are stale).
+
+    The start of the first step in ``st.prepared_from`` when the table allows the move
+    from both the approval and the in-flight state; otherwise the step's own start.
+    """
+    own = next(s for s in table.steps if s.step == st.name)
+    names = st.prepared_from or ()
+    for index, states in enumerate(table.steps):
+        if states.step == st.name:
+            break
+        if states.step in names:
+            target = states.before
+            allowed = all(table.allows(frm, target) for frm in (own.approval, own.in_flight) if frm)
+            if allowed:
+                return target, [s.step for s in table.steps[index:] if s.step in names]
+            break
+    return own.before, []
+
+
 def derive(steps):
     """Build the table for ordered steps (each a ``durable.workflows.Step``)."""
     edges: dict[str, list[str]] = {INITIAL: []}
@@ -258,13 +288,16 @@ def derive(steps):
                 # A waiting step runs again from the top when it is due; cancel is implicit.
                 add(waiting, st.working)
                 kinds[waiting] = kind
+        # Prepared again from current inputs: back to the first step the proposal was
+        # prepared from (see Step.prepared_from), or to this step's own start.
+        again = _prepare_again_from(st, step_states) or before
         if states.approval:
             # approved -> dispatch; superseded -> prepare again from current inputs;
             # rejected -> where the step says (cancelled by default, or needs_human).
-            add(states.approval, states.in_flight, before, st.on_reject)
+            add(states.approval, states.in_flight, again, before, st.on_reject)
             kinds[states.approval] = StateKind.APPROVAL
         if states.in_flight:
-            add(states.in_flight, st.done, failure, states.unknown, before)
+            add(states.in_flight, st.done, failure, states.unknown, again, before)
             add(states.unknown, st.done, states.in_flight, failure)
             kinds[states.in_flight] = StateKind.IN_FLIGHT
             kinds[states.unknown] = StateKind.UNKNOWN

@@ -11,6 +11,7 @@ Steps run in the order they are declared. The transition table is derived from t
 (or declared by hand as ``transitions = {...}``) and validated when Django starts.
 """
 
+import dataclasses
 import datetime
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -64,6 +65,9 @@ class Step:
     approval: object = False  # True, or a predicate(action, ctx) -> bool
     approval_expiry: float | None = None
     on_reject: str = states.CANCELLED
+    # The earlier steps a proposal is prepared from (their memos): when the proposal is
+    # prepared again from current inputs, these run again first. None: every earlier step.
+    prepared_from: tuple | None = None
     order: int = 0
 
     @property
@@ -90,8 +94,16 @@ def step(
     approval=False,
     approval_expiry=None,
     on_reject=states.CANCELLED,
+    prepared_from=None,
 ):
-    """Declare a method of a Workflow as a step (usable bare or with arguments)."""
+    """Declare a method of a Workflow as a step (usable bare or with arguments).
+
+    ``prepared_from`` (steps that need approval): the names of the earlier steps whose
+    memos the proposal is prepared from. When a proposal is prepared again (its inputs
+    changed, it expired, or an operator asked), these steps run again before it, so the
+    new proposal comes from current inputs rather than from their old memos. The default
+    is every earlier step; ``()`` re-runs the action step alone (it reads its inputs itself).
+    """
 
     def wrap(f):
         f._durable_step = Step(
@@ -110,11 +122,32 @@ def step(
             approval=approval,
             approval_expiry=approval_expiry,
             on_reject=on_reject,
+            prepared_from=None if prepared_from is None else tuple(prepared_from),
             order=next(_counter),
         )
         return f
 
     return wrap(func) if func is not None else wrap
+
+
+def _resolve_prepared_from(cls, steps):
+    """Steps with ``prepared_from`` spelled out for this workflow (a copy where it differs)."""
+    resolved = []
+    for index, st in enumerate(steps):
+        earlier = [s.name for s in steps[:index]]
+        if st.approval:
+            names = tuple(earlier) if st.prepared_from is None else st.prepared_from
+            wrong = [n for n in names if n not in earlier]
+            if wrong:
+                raise ImproperlyConfigured(
+                    f"Step {st.name!r} of {cls.__name__}: prepared_from names {', '.join(map(repr, wrong))},"
+                    f" which {'is' if len(wrong) == 1 else 'are'} not a step before it"
+                    f" (earlier steps: {', '.join(earlier) or 'none'})"
+                )
+            if names != st.prepared_from:
+                st = dataclasses.replace(st, prepared_from=names)
+        resolved.append(st)
+    return resolved
 
 
 class Workflow:
@@ -137,7 +170,7 @@ class Workflow:
             for attr, value in vars(klass).items():
                 if hasattr(value, "_durable_step"):
                     found[attr] = value._durable_step
-        cls.steps = sorted(found.values(), key=lambda s: s.order)
+        cls.steps = _resolve_prepared_from(cls, sorted(found.values(), key=lambda s: s.order))
         if register and cls.name:
             registry.register(cls)
 

@@ -45,10 +45,10 @@ class Refund(Workflow):
         record(payload, f"{ctx.job_id} assess")
         return Output({"reason": payload.get("reason", "damaged in transit")}, cost=Decimal("0.02"))
 
-    @step(working="proposing", done="refunded", approval=True)
+    # The action step reads the record itself (prepared_from=()): a proposal prepared
+    # again starts from what the record says now, and the assessment is kept.
+    @step(working="proposing", done="refunded", approval=True, prepared_from=())
     def refund(self, data, ctx):
-        # The action step reads the record itself: earlier memos are frozen, and a
-        # proposal prepared again must start from what the record says now.
         order = read_order(ctx.payload["order_file"])
         record(ctx.payload, f"{ctx.job_id} propose v{order['version']}")
         ctx.cost("0.01")
@@ -82,7 +82,7 @@ class RefundAbove(Refund):
 
     name = "refund_above"
 
-    @step(working="proposing", done="refunded",
+    @step(working="proposing", done="refunded", prepared_from=(),
           approval=lambda action, ctx: Decimal(str(action.values["amount"])) > 100)
     def refund(self, data, ctx):
         return Refund.refund(self, data, ctx)
@@ -94,7 +94,7 @@ class RefundReview(Refund):
     name = "refund_review"
 
     @step(working="proposing", done="refunded", approval=True, approval_expiry=600,
-          on_reject="needs_human")
+          on_reject="needs_human", prepared_from=())
     def refund(self, data, ctx):
         return Refund.refund(self, data, ctx)
 
