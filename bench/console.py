@@ -255,7 +255,7 @@ def _julian_to_text(jd):
 # Measuring -------------------------------------------------------------------------------
 
 
-def measure(repeat):
+def measure(repeat, verbose=False):
     """Render every console page ``repeat`` times; return [{page, ms: [...], queries}]."""
     import django
 
@@ -302,10 +302,16 @@ def measure(repeat):
                 times.append((time.perf_counter() - started) * 1000)
             status = response.status_code
             queries = len(captured)
+            slowest = sorted(captured.captured_queries, key=lambda q: -float(q["time"]))[:3]
         results.append({"page": name, "url": url, "status": status, "ms": times,
-                        "median_ms": statistics.median(times), "queries": queries})
+                        "median_ms": statistics.median(times), "queries": queries,
+                        "slowest": [{"ms": float(q["time"]) * 1000, "sql": q["sql"][:300]}
+                                    for q in slowest]})
         print(f"  {name:24} {statistics.median(times):8.1f} ms  (runs {', '.join(f'{t:.0f}' for t in times)};"
               f" {queries} queries; HTTP {status})", flush=True)
+        if verbose:
+            for q in slowest:
+                print(f"      {float(q['time']) * 1000:7.1f} ms  {q['sql'][:160]}", flush=True)
     return results
 
 
@@ -329,7 +335,7 @@ def child(args):
             sqlite_generate(os.environ["BENCH_SQLITE_PATH"], args.jobs)
         print(f"  generated {args.jobs:,} jobs in {time.monotonic() - started:.0f} s", flush=True)
     print(f"  {Job.objects.count():,} jobs on {connection.vendor}", flush=True)
-    return measure(args.repeat)
+    return measure(args.repeat, args.verbose)
 
 
 def main(argv=None):
@@ -343,6 +349,7 @@ def main(argv=None):
     p.add_argument("--keep", action="store_true", help="keep the generated data")
     p.add_argument("--reuse", action="store_true", help="measure data kept by an earlier --keep")
     p.add_argument("--json", default="", help="write the figures here")
+    p.add_argument("--verbose", action="store_true", help="print each page's slowest queries")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -380,7 +387,8 @@ def main(argv=None):
                         os.remove(path + suffix)
         print(f"{database}: {args.jobs:,} jobs", flush=True)
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--jobs", str(args.jobs),
-               "--repeat", str(args.repeat)] + (["--reuse"] if args.reuse else [])
+               "--repeat", str(args.repeat)] + (["--reuse"] if args.reuse else []) + (
+                   ["--verbose"] if args.verbose else [])
         proc = subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True, check=False)
         for line in proc.stdout.splitlines():
             if line.startswith("RESULT "):
