@@ -70,6 +70,9 @@ DEFAULTS = {
     # manage.py durable purge: roll the costs of purged memos up per day and step first,
     # so the cost report and the cost metrics outlive the rows.
     "PURGE_KEEP_COSTS": True,
+    # The currency step costs are recorded in (Output(cost=...), ctx.cost(), model prices):
+    # every page and the CLI write money as "<CURRENCY> 0.000807".
+    "CURRENCY": "USD",
     # Model adapters (durable.llm): prices per model, per million tokens, input and
     # output: {"gpt-4o-mini": {"input": "0.15", "output": "0.60"}}. A reply that
     # carries the provider's own cost (usage.cost) is priced by that instead.

@@ -48,14 +48,48 @@ def duration(value):
     return age(seconds)
 
 
-def money(value, places=4):
-    """An amount with a fixed number of places and thousands separators (never via a float).
+# Money is stored to six places (StepResult.cost). It is written with at least two and
+# at most six, trailing zeros beyond the second dropped: 12.50, 0.0167, 0.000807.
+MONEY_PLACES = (2, 6)
 
-    Blank input is ``—``; what is not a number is shown as it is.
+
+def amount(value):
+    """An amount of money as text, without its currency: ``1,234.50``, ``0.000807``.
+
+    The one rule: rounded (half even) to six places, at least two shown, thousands
+    separated. Blank input is ``—``; what is not a number is shown as it is.
     """
     if value in (None, ""):
         return BLANK
     try:
-        return f"{Decimal(str(value)):,.{int(places)}f}"
+        number = Decimal(str(value)).quantize(Decimal(1).scaleb(-MONEY_PLACES[1]))
     except (InvalidOperation, ValueError):
         return str(value)
+    text = f"{number:,.{MONEY_PLACES[1]}f}"
+    whole, _, cents = text.partition(".")
+    cents = cents.rstrip("0").ljust(MONEY_PLACES[0], "0")
+    return f"{whole}.{cents}"
+
+
+def currency():
+    """The currency costs are recorded in: ``DURABLE["CURRENCY"]`` (default ``USD``)."""
+    from .conf import durable_settings
+
+    return str(durable_settings.CURRENCY or "").strip()
+
+
+def money(value):
+    """An amount with its currency, e.g. ``USD 0.000807``: how every page writes money."""
+    text = amount(value)
+    if text == BLANK or not _is_number(value):
+        return text
+    code = currency()
+    return f"{code} {text}" if code else text
+
+
+def _is_number(value):
+    try:
+        Decimal(str(value))
+    except (InvalidOperation, ValueError):
+        return False
+    return True

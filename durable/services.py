@@ -21,6 +21,7 @@ from django.db.models.functions import Now
 from . import audit, locking
 from .conf import durable_settings
 from .exceptions import IdempotencyConflict, OperatorError, PayloadInvalid
+from .memos import record_spend
 from .models import ApprovalStatus, EventKind, Job, JobEvent, OutboxStatus, Pause, StepResult
 from .retry import describe
 from .states import CANCELLED, StateKind
@@ -401,14 +402,18 @@ def replay_step(job_id, step_name, *, user=None, reason="", confirm=None):
             "job": job.pk, "step": st.name, "old": output_hash(memo.output),
             "new": new_output, "cost": str(ctx.cost_total), "ms": round(duration * 1000, 3),
         }, salt=REPLAY_SALT, compress=True)
-    JobEvent.objects.create(
-        job_id=job.pk, kind=EventKind.OPERATOR, step=st.name, actor=audit.actor(user),
-        from_state=job.state, to_state=job.state,
-        message=f"replay preview of {st.name}" + (f" failed: {error}" if error else "")
-        + (f": {reason}" if reason else ""),
-        data={"verb": "replay preview", "cost": str(ctx.cost_total),
-              "ms": round(duration * 1000, 3), "same": replay.same},
-    )
+    with transaction.atomic():
+        JobEvent.objects.create(
+            job_id=job.pk, kind=EventKind.OPERATOR, step=st.name, actor=audit.actor(user),
+            from_state=job.state, to_state=job.state,
+            message=f"replay preview of {st.name}" + (f" failed: {error}" if error else "")
+            + (f": {reason}" if reason else ""),
+            data={"verb": "replay preview", "cost": str(ctx.cost_total),
+                  "ms": round(duration * 1000, 3), "same": replay.same},
+        )
+        # The run spent money without writing a memo: the cost report counts it too.
+        record_spend(job.workflow, st.name, ctx.cost_total,
+                           datetime.timedelta(seconds=duration), locking.db_now())
     return replay
 
 

@@ -71,7 +71,7 @@ def test_the_dashboard_shows_the_four_queries_with_their_scope(viewer, scene):
     assert "stuck-1" in html and "host:1:worker0" in html
     assert "malformed document at line &lt;n&gt; (poison)" in html
     assert response.context["failures"][0]["group"].count == 2
-    assert "test_pipeline.<strong>extract</strong>" in html and "0.0300" in html
+    assert "test_pipeline.<strong>extract</strong>" in html and "USD 0.03<" in html
     assert "<svg" in html
 
 
@@ -473,7 +473,7 @@ def test_the_job_list_searches_by_key_and_shows_cost_so_far(viewer, scene):
 
     [job] = response.context["cl"].result_list
     assert job.pk == "done" and job.cost_total == Decimal("0.032")
-    assert "0.0320" in response.content.decode()
+    assert "USD 0.032<" in response.content.decode()
 
 
 def test_view_only_staff_get_no_bulk_links_and_no_actions(viewer, scene):
@@ -657,7 +657,7 @@ def test_the_cost_report_shows_a_table_and_a_chart_for_the_default_range(viewer,
     assert [s["name"] for s in response.context["series"]] == [
         "test_pipeline.extract", "test_pipeline.fetch"]
     html = response.content.decode()
-    assert "<svg" in html and "0.0320" in html and "UTC days, inclusive" in html
+    assert "<svg" in html and "USD 0.032<" in html and "UTC days, inclusive" in html
 
 
 def test_the_cost_report_groups_by_workflow_over_a_chosen_range(viewer, scene):

@@ -30,14 +30,15 @@ def test_duration(value, text):
 
 
 def test_money_keeps_decimals_exact_and_shows_blanks_and_junk_as_they_are():
-    assert formats.money(Decimal("1234.5")) == "1,234.5000"
-    assert formats.money("0.000001", 6) == "0.000001"
+    assert formats.money(Decimal("1234.5")) == "USD 1,234.50"
+    assert formats.money("0.000001") == "USD 0.000001"
+    assert formats.amount("0.0000004") == "0.00"
     assert formats.money(None) == "—"
     assert formats.money("n/a") == "n/a"
 
 
 def test_the_template_filters_are_the_same_functions():
     rendered = Template(
-        "{% load durable_console %}{{ s|age }} | {{ d|duration }} | {{ m|money:2 }} | {{ w|age_minutes }}"
+        "{% load durable_console %}{{ s|age }} | {{ d|duration }} | {{ m|money }} | {{ w|age_minutes }}"
     ).render(Context({"s": 4 * 86400 + 3 * 3600, "d": 0.5, "m": "3.14159", "w": 360}))
-    assert rendered == "4 d 3 h | 500 ms | 3.14 | 6 h"
+    assert rendered == "4 d 3 h | 500 ms | USD 3.14159 | 6 h"

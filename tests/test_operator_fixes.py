@@ -437,9 +437,8 @@ def test_9_cancelling_an_unknown_action_on_purpose_is_not_a_failure(unknown_acti
 # 11. Money: one rule, a currency, replays counted --------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 11")
-@override_settings(DURABLE={"CURRENCY": "EUR"})
-def test_11_one_money_rule_with_the_currency_on_every_page(operator):
+def test_11_one_money_rule_with_the_currency_on_every_page(operator, settings):
+    settings.DURABLE = {**settings.DURABLE, "CURRENCY": "EUR"}
     job = make_job("m-1", "delivered")
     make_memo(job, "extract", "0.000807")
     pages = [
@@ -454,7 +453,6 @@ def test_11_one_money_rule_with_the_currency_on_every_page(operator):
         assert not re.search(r"(?<![\d.])0\.0008(?!\d)", words)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 11")
 def test_11_the_formatting_rule():
     from durable.formats import money
 
@@ -466,15 +464,16 @@ def test_11_the_formatting_rule():
         assert money(None) == "—"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 11")
 def test_11_a_replay_preview_is_in_the_cost_report(operator, run_worker_inline):
     services.submit("test_pipeline", "r-1", {"doc": "hello"})
     run_worker_inline()
     before = text(operator.get(reverse("admin:durable_costs")))
-    assert "0.03" in before
+    assert "in all. USD 0.03" in before or "USD 0.03 in all" in before
     services.replay_step("r-1", "extract", user="ops", reason="check")
     after = text(operator.get(reverse("admin:durable_costs")))
-    assert "0.06" in after  # the memo's 0.03 and the replay's 0.03
+    assert "USD 0.06" in after  # the memo's 0.03 and the replay's 0.03
+    dashboard = text(operator.get(reverse("admin:durable_dashboard")))
+    assert "USD 0.06 in all" in dashboard
 
 
 # 12. Smaller ------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ def test_status_prints_the_four_queries_as_tables_with_their_scope(troubled):
     assert fetched.split()[2] == "6" and fetched.endswith("STALLED")
     assert "stuck-1" in text and "host:1:worker0" in text
     assert "ValueError" in text and "bad header (poison)" in text
-    assert "extract" in text and "0.0300" in text
+    assert "extract" in text and "USD" in text and " 0.03 " in text
 
 
 def test_status_can_be_scoped_to_a_workflow_and_a_window(troubled):

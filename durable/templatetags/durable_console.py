@@ -15,6 +15,7 @@ register = template.Library()
 register.filter("age", formats.age)
 register.filter("duration", formats.duration)
 register.filter("money", formats.money)
+register.filter("amount", formats.amount)
 
 
 @register.filter

@@ -278,11 +278,12 @@ def status_lines(status):
     total = sum((r["total"] for r in costs), 0)
     out += ["", f"4. Which step costs the money? Memos written in the "
                 f"{formats.age(status['cost_window'].total_seconds())} to {now:%Y-%m-%d %H:%M} UTC: "
-                f"{total:.4f} in all."]
+                f"{formats.money(total)} in all."]
     if costs:
-        out += table(["workflow", "step", "count", "total", "mean"],
-                     [[r["workflow"], r["step"], r["count"], f"{r['total']:.4f}",
-                       f"{r['mean']:.6f}"] for r in costs])
+        out += table(["workflow", "step", "count", f"total ({formats.currency()})",
+                      f"mean ({formats.currency()})"],
+                     [[r["workflow"], r["step"], r["count"], formats.amount(r["total"]),
+                       formats.amount(r["mean"])] for r in costs])
     return out
 
 
