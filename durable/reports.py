@@ -14,8 +14,10 @@ import re
 from dataclasses import dataclass, field
 from decimal import Decimal
 
+from django.db import connection
 from django.db.models import (
     Avg,
+    Case,
     Count,
     DurationField,
     Exists,
@@ -25,9 +27,9 @@ from django.db.models import (
     Min,
     OuterRef,
     Q,
-    Subquery,
     Sum,
     Value,
+    When,
 )
 from django.db.models.functions import Concat, TruncDate
 
@@ -125,12 +127,18 @@ class StateRow:
     state: str
     kind: StateKind | None
     count: int
-    avg_age: float  # seconds
-    oldest_age: float  # seconds
+    avg_age: float | None  # seconds (None: not read, see _big_terminal)
+    oldest_age: float | None  # seconds
     # The same numbers at the start of the window, rebuilt from JobEvent (None: unknown).
     count_before: int | None = None
     avg_age_before: float | None = None
     stalled: bool = False
+    # Jobs that left the state during the window (moves out, from the event log).
+    left: int = 0
+    # Counted from the planner's estimate (a large terminal state on PostgreSQL).
+    estimated: bool = False
+    # The average age at the window's start of the jobs that were there then and still are.
+    avg_age_then_of_stayers: float | None = None
 
     @property
     def is_terminal(self):
@@ -163,42 +171,69 @@ class Overview:
 def where_is_everything(*, now=None, window=DEFAULT_WINDOW, workflow=None):
     """Count, average and oldest age per workflow and state, with the trend over ``window``.
 
-    The first article's query 1, grouped by workflow as well as state. A state is
-    *stalled* when its count and its average age both rose over the window and its
+    The first article's query 1, grouped by workflow as well as state, read so that it
+    stays fast on a table of millions of finished jobs:
+
+    - which (workflow, state) pairs hold jobs is read from the (workflow, state) index
+      by a loose index scan (one probe per pair, not one row per job);
+    - unfinished states are counted exactly, with their ages;
+    - a terminal state holding many jobs is counted from the planner's estimate
+      (PostgreSQL; marked ``estimated``): finished jobs pile up by design, and an
+      exact count of a million of them buys nothing; small ones are counted exactly;
+    - the counts at the start of the window are the counts now minus the moves into
+      each state since then, plus the moves out of it, from the event log's
+      (kind, at) index, and minus the jobs created since: only the window's events
+      and the jobs changed in it are read.
+
+    A state is *stalled* when it gained jobs over the window, none left it, and its
     oldest job has sat there longer than the window: jobs arrive and nothing moves.
     Only stages that drain by themselves can stall (see FLOWING_KINDS).
     """
     now = now or locking.db_now()
-    qs = scoped(Job.objects.all(), workflow)
-    groups = (
-        qs.values("workflow", "state")
-        .annotate(count=Count("pk"), avg_age=Avg(_age(now)), oldest=Min("updated"))
-        .order_by()
-    )
+    moment = now - window
+    pairs = [(wf, st) for wf, st in _state_pairs() if not workflow or wf == workflow]
     rows = {}
-    for g in groups:
-        rows[g["workflow"], g["state"]] = StateRow(
-            workflow=g["workflow"],
-            state=g["state"],
-            kind=kind_of(g["workflow"], g["state"]),
-            count=g["count"],
-            avg_age=max(_seconds(g["avg_age"]) or 0.0, 0.0),
-            oldest_age=max((now - g["oldest"]).total_seconds(), 0.0),
+    live = []
+    for wf, st in pairs:
+        if kind_of(wf, st) == StateKind.TERMINAL:
+            big = _big_terminal(wf, st)
+            if big is not None:
+                rows[wf, st] = big
+                continue
+        live.append((wf, st))
+    if live:
+        stayed = Q(updated__lte=moment)
+        age_then = ExpressionWrapper(Value(moment) - F("updated"), output_field=DurationField())
+        groups = (
+            Job.objects.filter(_pairs_q(live))
+            .values("workflow", "state")
+            .annotate(count=Count("pk"), avg_age=Avg(_age(now)), oldest=Min("updated"),
+                      stayed=Count("pk", filter=stayed),
+                      avg_then=Avg(Case(When(stayed, then=age_then))))
+            .order_by()
         )
-    for (wf, state), (count, avg_age) in _states_at(now - window, workflow).items():
-        row = rows.get((wf, state))
-        if row is None:
+        for g in groups:
+            row = rows[g["workflow"], g["state"]] = StateRow(
+                workflow=g["workflow"], state=g["state"], kind=kind_of(g["workflow"], g["state"]),
+                count=g["count"], avg_age=max(_seconds(g["avg_age"]) or 0.0, 0.0),
+                oldest_age=max((now - g["oldest"]).total_seconds(), 0.0),
+            )
+            if g["stayed"]:
+                row.avg_age_then_of_stayers = max(_seconds(g["avg_then"]) or 0.0, 0.0)
+    moved_in, moved_out = _moves_since(moment, workflow)
+    for key, n in _created_since(moment, workflow).items():
+        moved_in[key] = moved_in.get(key, 0) + n
+    for key in set(moved_in) | set(moved_out):
+        if key not in rows:
             # Everything left this state during the window.
-            row = rows[wf, state] = StateRow(wf, state, kind_of(wf, state), 0, 0.0, 0.0)
-        row.count_before, row.avg_age_before = count, avg_age
-    finished = _finished_since(now - window, workflow)
-    for row in rows.values():
-        if row.is_terminal:
-            # Terminal states are never left: what was there is what is there, less arrivals.
-            row.count_before = row.count - finished.get((row.workflow, row.state), 0)
-            row.avg_age_before = None
-        elif row.count_before is None:
-            row.count_before, row.avg_age_before = 0, None
+            rows[key] = StateRow(key[0], key[1], kind_of(*key), 0, 0.0, 0.0)
+    for key, row in rows.items():
+        arrived, left = moved_in.get(key, 0), moved_out.get(key, 0)
+        row.count_before = max(row.count - arrived + left, 0)
+        row.left = left
+        # The average age then is known exactly when nobody left (all were still there).
+        then = row.avg_age_then_of_stayers
+        row.avg_age_before = then if not left and not row.is_terminal else None
         row.stalled = _is_stalled(row, window)
     ordered = sorted(rows.values(), key=_display_order)
     return Overview(now=now, window=window, workflow=workflow, rows=ordered)
@@ -208,15 +243,18 @@ def where_is_everything(*, now=None, window=DEFAULT_WINDOW, workflow=None):
 # failed, human, approval and unknown states wait for a person, which the alerts cover.
 FLOWING_KINDS = (StateKind.INITIAL, StateKind.READY, StateKind.WORKING, StateKind.IN_FLIGHT)
 
+# A terminal state with more jobs than this (by the planner's estimate) is counted from
+# the estimate rather than exactly.
+ESTIMATE_ABOVE = 10_000
+
 
 def _is_stalled(row, window):
     if row.kind not in FLOWING_KINDS or not row.count:
         return False
-    if not row.count_before or row.avg_age_before is None:
-        return False
     return (
-        row.count > row.count_before
-        and row.avg_age > row.avg_age_before
+        row.count > (row.count_before or 0)
+        and (row.count_before or 0) > 0
+        and not row.left
         and row.oldest_age >= window.total_seconds()
     )
 
@@ -231,31 +269,87 @@ def _display_order(row):
     return (row.workflow, order, row.state)
 
 
-def _states_at(moment, workflow=None):
-    """``{(workflow, state): (count, avg_age)}`` as they were at ``moment``, from JobEvent.
+def _pairs_q(pairs):
+    by_workflow = {}
+    for wf, st in pairs:
+        by_workflow.setdefault(wf, []).append(st)
+    q = Q(pk__in=[])
+    for wf, states in by_workflow.items():
+        q |= Q(workflow=wf, state__in=states)
+    return q
 
-    A job's state at ``moment`` is the target of its last state-changing event up to
-    then, and its age the time since its last event up to then (the events are written
-    in the same transactions that set ``updated``). Only jobs that can matter are
-    examined: those unfinished now, and those that moved since ``moment``; a job
-    finished before ``moment`` was in a terminal state then, which is never stalled.
+
+def _state_pairs():
+    """The (workflow, state) pairs that hold jobs, by a loose scan of their index.
+
+    One index probe per pair that exists: the time grows with the number of pairs,
+    not with the number of jobs.
     """
-    movers = _events_since(moment).values("job_id")
-    jobs = scoped(Job.objects.filter(created__lte=moment), workflow).filter(
-        unfinished_q() | Q(pk__in=movers)
+    table = connection.ops.quote_name(Job._meta.db_table)
+    nxt = (f"FROM {table} j WHERE (j.workflow, j.state) > (t.workflow, t.state)"
+           " ORDER BY j.workflow, j.state LIMIT 1")
+    sql = (
+        "WITH RECURSIVE t(workflow, state) AS ("
+        f" SELECT * FROM (SELECT workflow, state FROM {table} ORDER BY workflow, state LIMIT 1) f"
+        f" UNION ALL SELECT (SELECT j.workflow {nxt}), (SELECT j.state {nxt})"
+        " FROM t WHERE t.workflow IS NOT NULL"
+        ") SELECT workflow, state FROM t WHERE workflow IS NOT NULL"
     )
-    events = JobEvent.objects.filter(job=OuterRef("pk"), at__lte=moment).order_by("-id")
-    annotated = jobs.annotate(
-        state_then=Subquery(events.exclude(to_state="").values("to_state")[:1]),
-        touched_then=Subquery(events.values("at")[:1]),
-    ).filter(state_then__isnull=False)
-    age = ExpressionWrapper(Value(moment) - F("touched_then"), output_field=DurationField())
-    result = {}
-    for g in annotated.values("workflow", "state_then").annotate(
-        count=Count("pk"), avg_age=Avg(age)
-    ).order_by():
-        result[g["workflow"], g["state_then"]] = (g["count"], max(_seconds(g["avg_age"]) or 0, 0))
-    return result
+    with connection.cursor() as cursor:
+        cursor.execute(sql)
+        return [tuple(r) for r in cursor.fetchall()]
+
+
+def estimated_rows(model, where="", params=()):
+    """The planner's estimate of a table's rows (matching ``where``), or None where there is none.
+
+    PostgreSQL only: the estimate comes from the statistics ANALYZE (and autovacuum)
+    keep. SQLite has no such estimate; callers count exactly there.
+    """
+    if connection.vendor != "postgresql":
+        return None
+    table = connection.ops.quote_name(model._meta.db_table)
+    with connection.cursor() as cursor:
+        if not where:
+            cursor.execute("SELECT reltuples::bigint FROM pg_class WHERE oid = %s::regclass",
+                           [model._meta.db_table])
+            row = cursor.fetchone()
+            return int(row[0]) if row and row[0] is not None and row[0] >= 0 else None
+        cursor.execute(f"EXPLAIN (FORMAT JSON) SELECT 1 FROM {table} WHERE {where}", list(params))
+        plan = cursor.fetchone()[0]
+    if isinstance(plan, str):
+        import json
+
+        plan = json.loads(plan)
+    return int(plan[0]["Plan"]["Plan Rows"])
+
+
+def _big_terminal(workflow, state):
+    """A row for a terminal state holding more than ESTIMATE_ABOVE jobs, else None.
+
+    Its count is the planner's estimate on PostgreSQL, an exact count (from the index
+    alone) elsewhere; the ages of finished jobs are left out (None): they only say
+    how long ago work finished, and reading them means reading every row.
+    """
+    estimate = estimated_rows(Job, "workflow = %s AND state = %s", [workflow, state])
+    if estimate is None:
+        count = Job.objects.filter(workflow=workflow, state=state).count()
+        estimated = False
+    else:
+        count, estimated = estimate, True
+    if count <= ESTIMATE_ABOVE:
+        return None
+    return StateRow(workflow, state, StateKind.TERMINAL, count, None, None, estimated=estimated)
+
+
+def _created_since(moment, workflow=None):
+    """``{(workflow, state): jobs created after moment that are there now}``.
+
+    A job created since has changed since, so the ``updated`` index finds it.
+    """
+    jobs = scoped(Job.objects.filter(updated__gt=moment, created__gt=moment), workflow)
+    return {(r["workflow"], r["state"]): r["n"]
+            for r in jobs.values("workflow", "state").annotate(n=Count("pk")).order_by()}
 
 
 def _events_since(moment):
@@ -264,14 +358,28 @@ def _events_since(moment):
     return JobEvent.objects.filter(kind__in=EventKind.values, at__gt=moment)
 
 
-def _finished_since(moment, workflow=None):
-    """``{(workflow, terminal state): jobs that reached it after moment}``."""
-    q = kind_q(StateKind.TERMINAL, workflow=workflow)
-    events = _events_since(moment).filter(job__in=Job.objects.filter(q)).exclude(
-        from_state=F("to_state")
-    )
-    rows = events.values("job__workflow", "to_state").annotate(n=Count("job_id", distinct=True))
-    return {(r["job__workflow"], r["to_state"]): r["n"] for r in rows.order_by()}
+def _moves_since(moment, workflow=None):
+    """``({(workflow, state): moves in}, {(workflow, state): moves out})`` after ``moment``.
+
+    Every change of state writes an event in the transaction that makes it, so the
+    state counts at ``moment`` are the counts now, less what moved in since, plus what
+    moved out. A step event that passes through a state (``data.via``) enters and
+    leaves it at once and changes no count.
+    """
+    # Jobs created since then are counted as arrivals where they are now (below).
+    events = _events_since(moment).exclude(from_state=F("to_state")).filter(
+        job__created__lte=moment)
+    if workflow:
+        events = events.filter(job__workflow=workflow)
+    moved_in, moved_out = {}, {}
+    rows = events.values("job__workflow", "from_state", "to_state").annotate(n=Count("pk"))
+    for r in rows.order_by():
+        wf = r["job__workflow"]
+        if r["to_state"]:
+            moved_in[wf, r["to_state"]] = moved_in.get((wf, r["to_state"]), 0) + r["n"]
+        if r["from_state"]:
+            moved_out[wf, r["from_state"]] = moved_out.get((wf, r["from_state"]), 0) + r["n"]
+    return moved_in, moved_out
 
 
 # 2. What is stuck? ----------------------------------------------------------------------
