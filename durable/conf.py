@@ -67,7 +67,7 @@ DEFAULTS = {
     # /metrics (durable.metrics): scrapers send "Authorization: Bearer <token>"; without
     # a token only logged-in staff with durable.view_job may read it.
     "METRICS_TOKEN": None,
-    # manage.py durable purge: roll the costs of purged memos up per day and step first,
+    # manage.py durable purge: keep the costs of purged memos in the per-minute rollups,
     # so the cost report and the cost metrics outlive the rows.
     "PURGE_KEEP_COSTS": True,
     # The currency step costs are recorded in (Output(cost=...), ctx.cost(), model prices):

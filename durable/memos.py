@@ -1,56 +1,163 @@
-"""Memos that stop being current, and the money they cost, which stays in the report.
+"""Money, summed fast: memos rolled up per minute, and memos that stop being current.
+
+Every memo records what its step cost. Summing a day of them (millions of rows on a
+busy deployment) is too slow for a page an operator opens during an incident, so
+``roll_up`` adds the memos of each closed minute into ``CostMinute`` rows and moves
+``CostMark.through`` forward; readers (the dashboard, the cost report, metrics) sum
+the minutes before the mark and the few memos after it (``spent``). Rolling up is
+incremental and idempotent: whoever reads first after a minute closes does it (the
+pages, ``/metrics``, ``manage.py durable rollup``), under a row lock, so each memo is
+counted once.
 
 A memo is never paid for twice, so it is deleted only when it must not be reused: its
 job is purged, or a proposal is prepared again from current inputs and the steps it
-was prepared from run again (see ``Step.prepared_from``). Either way the money was
-spent: ``keep_costs`` adds the memos' costs to the daily rollups (``CostRollup``) that
-the cost report and the dashboard read beside the live memos. ``record_spend`` does
-the same for money spent without a memo (a replay preview's run).
+was prepared from run again (see ``Step.prepared_from``). The money was spent either
+way: ``keep_costs`` makes sure such memos stay counted, and ``record_spend`` counts
+money spent by a run that leaves no memo (a replay preview).
 """
 
 import datetime
 from decimal import Decimal
 
+from django.db import transaction
 from django.db.models import Count, F, Sum
-from django.db.models.functions import TruncDate
+from django.db.models.functions import TruncMinute
 
-from .models import CostRollup, StepResult
+from . import locking
+from .models import CostMark, CostMinute, StepResult
+
+# A memo is stamped with its transaction's start (the database clock) and becomes
+# visible at commit: a minute is rolled up only this long after it closed.
+MARGIN = datetime.timedelta(minutes=2)
+ZERO = datetime.timedelta(0)
 
 
-def _add(day, workflow, step, steps, cost, duration):
-    rollup, _ = CostRollup.objects.get_or_create(day=day, workflow=workflow, step=step)
-    CostRollup.objects.filter(pk=rollup.pk).update(
+def _minute(moment):
+    return moment.replace(second=0, microsecond=0)
+
+
+def mark():
+    """The moment memos are rolled up to (memos written before it are in CostMinute), or None."""
+    return CostMark.objects.filter(pk=1).values_list("through", flat=True).first()
+
+
+def _add(minute, workflow, step, steps, cost, duration):
+    row, _ = CostMinute.objects.get_or_create(minute=minute, workflow=workflow, step=step)
+    CostMinute.objects.filter(pk=row.pk).update(
         steps=F("steps") + steps, cost=F("cost") + cost, duration=F("duration") + duration,
     )
 
 
-def keep_costs(memos):
-    """Add the costs of ``memos`` (a StepResult queryset) to the daily rollups; return the sum.
-
-    Call it in the transaction that deletes them, so a cost is counted exactly once.
-    """
-    total = Decimal(0)
-    groups = (
-        memos.annotate(day=TruncDate("at", tzinfo=datetime.UTC))
-        .values("day", "workflow", "step")
+def _grouped(memos):
+    return (
+        memos.annotate(bucket=TruncMinute("at", tzinfo=datetime.UTC))
+        .values("bucket", "workflow", "step")
         .annotate(n=Count("pk"), cost=Sum("cost"), duration=Sum("duration"))
         .order_by()
     )
-    for g in groups:
-        cost = Decimal(g["cost"] or 0)
-        _add(g["day"], g["workflow"], g["step"], g["n"], cost,
-             g["duration"] or datetime.timedelta(0))
-        total += cost
+
+
+def roll_up(now=None):
+    """Add the memos of every minute closed (less MARGIN) since the mark; return the new mark."""
+    now = now or locking.db_now()
+    upto = _minute(now - MARGIN)
+    with transaction.atomic():
+        current, _ = CostMark.objects.select_for_update().get_or_create(pk=1)
+        start = current.through
+        if start is not None and start >= upto:
+            return start
+        memos = StepResult.objects.filter(at__lt=upto)
+        if start is not None:
+            memos = memos.filter(at__gte=start)
+        existing = {}
+        groups = list(_grouped(memos))
+        if groups:
+            minutes = {g["bucket"] for g in groups}
+            existing = {(r.minute, r.workflow, r.step): r for r in CostMinute.objects.filter(
+                minute__gte=min(minutes), minute__lte=max(minutes))}
+        fresh = []
+        for g in groups:
+            key = (g["bucket"], g["workflow"], g["step"])
+            cost, duration = Decimal(g["cost"] or 0), g["duration"] or ZERO
+            if key in existing:
+                CostMinute.objects.filter(pk=existing[key].pk).update(
+                    steps=F("steps") + g["n"], cost=F("cost") + cost,
+                    duration=F("duration") + duration)
+            else:
+                fresh.append(CostMinute(minute=key[0], workflow=key[1], step=key[2], steps=g["n"],
+                                        cost=cost, duration=duration))
+        CostMinute.objects.bulk_create(fresh, batch_size=1000)
+        CostMark.objects.filter(pk=1).update(through=upto)
+    return upto
+
+
+def spent(start, end, *, workflow=None, by_day=False):
+    """Rows ``{workflow, step, count, total, duration[, day]}`` of money spent in ``[start, end)``.
+
+    Minutes before the mark come from CostMinute (whole minutes that start in the
+    range), memos after it from the memo table; both include what ``keep_costs`` and
+    ``record_spend`` added. Days are UTC dates.
+    """
+    through = roll_up()
+    found = {}
+
+    def add(day, wf, step, n, cost, duration):
+        key = (day, wf, step)
+        row = found.setdefault(key, {"workflow": wf, "step": step, "count": 0,
+                                     "total": Decimal(0), "duration": ZERO, "day": day})
+        row["count"] += n or 0
+        row["total"] += Decimal(cost or 0)
+        row["duration"] += duration or ZERO
+
+    minutes = CostMinute.objects.filter(minute__gte=_minute(start), minute__lt=end)
+    recent = StepResult.objects.filter(at__gte=max(start, through), at__lt=end)
+    if workflow:
+        minutes, recent = minutes.filter(workflow=workflow), recent.filter(workflow=workflow)
+    if by_day:
+        from django.db.models.functions import TruncDate
+
+        for source, stamp, n in ((minutes, "minute", Sum("steps")), (recent, "at", Count("pk"))):
+            rows = (source.annotate(day=TruncDate(stamp, tzinfo=datetime.UTC))
+                    .values("day", "workflow", "step")
+                    .annotate(n=n, cost=Sum("cost"), duration=Sum("duration")).order_by())
+            for r in rows:
+                add(r["day"], r["workflow"], r["step"], r["n"], r["cost"], r["duration"])
+    else:
+        for source, n in ((minutes, Sum("steps")), (recent, Count("pk"))):
+            rows = (source.values("workflow", "step")
+                    .annotate(n=n, cost=Sum("cost"), duration=Sum("duration")).order_by())
+            for r in rows:
+                add(None, r["workflow"], r["step"], r["n"], r["cost"], r["duration"])
+    return list(found.values())
+
+
+def keep_costs(memos, *, keep=True):
+    """Before ``memos`` (a StepResult queryset) are deleted: keep their costs counted, or not.
+
+    Memos before the mark are already in CostMinute: kept as they are, or taken out
+    when ``keep`` is false. Memos after it are added to their minute when ``keep``.
+    Call it in the transaction that deletes them. Returns the sum kept.
+    """
+    through = mark()
+    total = Decimal(0)
+    for g in _grouped(memos):
+        rolled = through is not None and g["bucket"] < through
+        cost, duration = Decimal(g["cost"] or 0), g["duration"] or ZERO
+        if rolled and not keep:
+            _add(g["bucket"], g["workflow"], g["step"], -g["n"], -cost, -duration)
+        elif not rolled and keep:
+            _add(g["bucket"], g["workflow"], g["step"], g["n"], cost, duration)
+        if keep:
+            total += cost
     return total
 
 
 def record_spend(workflow, step, cost, duration, at):
-    """Money spent by a run that leaves no memo (a replay preview), kept in the rollups."""
+    """Money spent by a run that leaves no memo (a replay preview), counted at ``at``."""
     cost = Decimal(str(cost or 0))
     if not cost and not duration:
         return
-    day = at.astimezone(datetime.UTC).date()
-    _add(day, workflow, step, 1, cost, duration or datetime.timedelta(0))
+    _add(_minute(at.astimezone(datetime.UTC)), workflow, step, 1, cost, duration or ZERO)
 
 
 def set_aside(job_id, steps):

@@ -74,11 +74,16 @@ class DurableCollector:
             stuck.add_metric([row["workflow"]], row["n"])
         yield stuck
 
-        # Memos still in the table plus those purge rolled up: counters never go down.
+        # Everything ever spent (per-minute rollups, memos since, and the daily rollups
+        # of memos purged before per-minute rollups existed): counters never go down.
+        from .memos import spent
+
         done = {}
-        for row in (StepResult.objects.values("workflow", "step")
-                    .annotate(n=Count("pk"), cost=Sum("cost")).order_by()):
-            done[row["workflow"], row["step"]] = [row["n"], row["cost"] or 0]
+        for row in spent(datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC),
+                         now + datetime.timedelta(days=1)):
+            entry = done.setdefault((row["workflow"], row["step"]), [0, 0])
+            entry[0] += row["count"]
+            entry[1] += row["total"]
         for row in (CostRollup.objects.values("workflow", "step")
                     .annotate(n=Sum("steps"), cost=Sum("cost")).order_by()):
             entry = done.setdefault((row["workflow"], row["step"]), [0, 0])

@@ -203,6 +203,49 @@ class CostRollup(models.Model):
         return f"{self.day} {self.workflow}/{self.step}: {self.cost}"
 
 
+class CostMinute(models.Model):
+    """Money spent per minute, workflow and step: the memos rolled up, and runs without one.
+
+    ``durable.memos.roll_up`` adds the memos of every minute that has closed (with a
+    margin for transactions still committing) and moves ``CostMark`` forward; the
+    dashboard and the cost report read these rows up to the mark and the memos after
+    it, so a day of millions of memos is summed from a few thousand rows. Money spent
+    without a memo (a replay preview) and memos deleted after the mark are added here
+    directly.
+    """
+
+    minute = models.DateTimeField(_("minute"))
+    workflow = models.CharField(_("workflow"), max_length=100)
+    step = models.CharField(_("step"), max_length=100)
+    steps = models.BigIntegerField(_("steps"), default=0)
+    cost = models.DecimalField(_("cost"), max_digits=18, decimal_places=6, default=0)
+    duration = models.DurationField(_("duration"), default=datetime.timedelta(0))
+
+    class Meta:
+        verbose_name = _("cost per minute")
+        verbose_name_plural = _("costs per minute")
+        constraints = [
+            models.UniqueConstraint(fields=["minute", "workflow", "step"], name="durable_one_cost_minute"),
+        ]
+
+    def __str__(self):
+        return f"{self.minute:%Y-%m-%d %H:%M} {self.workflow}/{self.step}: {self.cost}"
+
+
+class CostMark(models.Model):
+    """How far memos are rolled up into CostMinute: memos written before ``through`` are in it."""
+
+    id = models.PositiveSmallIntegerField(primary_key=True, default=1)
+    through = models.DateTimeField(_("rolled up through"), null=True, blank=True)
+
+    class Meta:
+        verbose_name = _("cost roll-up mark")
+        verbose_name_plural = _("cost roll-up mark")
+
+    def __str__(self):
+        return f"costs rolled up through {self.through}"
+
+
 class OutboxStatus(models.TextChoices):
     PENDING = "pending", _("pending")  # written with the step; not yet sent
     ATTEMPTED = "attempted", _("attempted")  # marked (committed) before sending; outcome not yet known

@@ -31,22 +31,12 @@ from django.db.models import (
     Value,
     When,
 )
-from django.db.models.functions import Concat, TruncDate
+from django.db.models.functions import Concat
 
 from . import formats, locking
 from .conf import durable_settings
-from .models import (
-    Approval,
-    ApprovalStatus,
-    CostRollup,
-    EventKind,
-    Job,
-    JobEvent,
-    Outbox,
-    Pause,
-    StepResult,
-    memo_label,
-)
+from .memos import spent
+from .models import Approval, ApprovalStatus, CostRollup, EventKind, Job, JobEvent, Outbox, Pause, StepResult
 from .states import StateKind
 from .workflows import registry
 
@@ -552,43 +542,41 @@ def jobs_in_failure_group(digest, *, workflow=None):
 
 
 def cost_per_step(*, now=None, window=COST_WINDOW, workflow=None):
-    """Count, total and mean cost of memos written in the window, per workflow and step.
+    """Count, total and mean cost of the steps run in the window, per workflow and step.
 
-    The article's query 4. Money is Decimal throughout.
+    The article's query 4. Money is Decimal throughout. Read from the per-minute
+    rollups and the memos since (``durable.memos.spent``): whole minutes, so the window
+    starts at the minute ``now - window`` falls in. Replay previews count too.
     """
     now = now or locking.db_now()
-    qs = scoped(StepResult.objects.filter(at__gt=now - window, at__lte=now), workflow)
-    rows = list(
-        qs.annotate(label=memo_label()).values("workflow", "label")
-        .annotate(count=Count("pk"), total=Sum("cost"), mean=Avg("cost"))
-        .order_by("-total", "workflow", "label")
-    )
+    rows = [r for r in spent(now - window, now, workflow=workflow) if r["count"] or r["total"]]
     for row in rows:
-        row["step"] = row.pop("label")
         # The same precision as the column, whatever the database's arithmetic returned.
         row["total"] = Decimal(row["total"] or 0).quantize(MONEY)
-        row["mean"] = Decimal(row["mean"] or 0).quantize(MONEY)
+        row["mean"] = (row["total"] / row["count"]).quantize(MONEY) if row["count"] else Decimal(0)
+        del row["day"], row["duration"]
+    rows.sort(key=lambda r: (-r["total"], r["workflow"], r["step"]))
     return rows
 
 
 def cost_by_day(start, end, *, by="step", workflow=None):
-    """Cost per day for each step (or workflow) with memos written in ``[start, end)``.
+    """Cost per day for each step (or workflow) of the steps run in ``[start, end)``.
 
-    Includes the daily rollups that purge keeps of deleted memos (whole days only).
+    Read from the per-minute rollups and the memos since (``durable.memos.spent``),
+    plus the daily rollups that purge kept of memos deleted before per-minute rollups
+    existed (whole days only). Replay previews count too.
 
     Returns ``{"days": [date, ...], "series": [{"name", "workflow", "per_day", "total",
     "count"}], "totals": [Decimal per day], "total": Decimal}``. Days are UTC dates.
     """
     if by not in ("step", "workflow"):
         raise ValueError(f"cost_by_day groups by 'step' or 'workflow', not {by!r}")
-    qs = scoped(StepResult.objects.filter(at__gte=start, at__lt=end), workflow)
-    keys = ["workflow", "step"] if by == "step" else ["workflow"]
-    rows = (
-        qs.annotate(day=TruncDate("at", tzinfo=datetime.UTC), label=memo_label())
-        .values("day", *(["workflow", "label"] if by == "step" else keys))
-        .annotate(count=Count("pk"), total=Sum("cost"))
-        .order_by()
-    )
+    def moment(value):
+        if isinstance(value, datetime.datetime):
+            return value
+        return datetime.datetime.combine(value, datetime.time(), tzinfo=datetime.UTC)
+
+    rows = spent(moment(start), moment(end), workflow=workflow, by_day=True)
     days = []
     day = start.date() if isinstance(start, datetime.datetime) else start
     last = (end - datetime.timedelta(microseconds=1)).date() if isinstance(end, datetime.datetime) else end
@@ -596,27 +584,25 @@ def cost_by_day(start, end, *, by="step", workflow=None):
         days.append(day)
         day += datetime.timedelta(days=1)
     index = {d: i for i, d in enumerate(days)}
-    # Purged jobs leave their memo costs behind as daily rollups: the report outlives purge.
+    keys = ["workflow", "step"] if by == "step" else ["workflow"]
     rolled = (
         scoped(CostRollup.objects.filter(day__gte=days[0], day__lte=days[-1]), workflow)
         .values("day", *keys)
         .annotate(count=Sum("steps"), total=Sum("cost"))
         .order_by()
-    )
+    ) if days else []
     series = {}
-    for row in [*rows, *(rolled if days else [])]:
-        if "label" in row:
-            row["step"] = row.pop("label")
+    for row in [*rows, *rolled]:
         name = f"{row['workflow']}.{row['step']}" if by == "step" else row["workflow"]
         s = series.setdefault(name, {
-            "name": name, "workflow": row["workflow"], "step": row.get("step", ""),
+            "name": name, "workflow": row["workflow"], "step": row.get("step", "") if by == "step" else "",
             "per_day": [Decimal(0)] * len(days), "total": Decimal(0), "count": 0,
         })
         amount = Decimal(row["total"] or 0).quantize(MONEY)
         if row["day"] in index:
             s["per_day"][index[row["day"]]] += amount
         s["total"] += amount
-        s["count"] += row["count"]
+        s["count"] += row["count"] or 0
     ordered = sorted(series.values(), key=lambda s: (-s["total"], s["name"]))
     totals = [sum((s["per_day"][i] for s in ordered), Decimal(0)) for i in range(len(days))]
     return {"days": days, "series": ordered, "totals": totals, "total": sum(totals, Decimal(0))}

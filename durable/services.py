@@ -21,6 +21,7 @@ from django.db.models.functions import Now
 from . import audit, locking
 from .conf import durable_settings
 from .exceptions import IdempotencyConflict, OperatorError, PayloadInvalid
+from .memos import keep_costs as keep_memo_costs
 from .memos import record_spend
 from .models import ApprovalStatus, EventKind, Job, JobEvent, OutboxStatus, Pause, StepResult
 from .retry import describe
@@ -557,8 +558,8 @@ def purge(older_than, *, batch_size=500, keep_costs=None, workflow=None, dry_run
     Only jobs in a terminal state go (failed jobs wait for an operator); their memos,
     actions, approvals and events go with them, one short transaction per batch, so
     workers and the console are never blocked for long. With ``keep_costs`` (default
-    DURABLE["PURGE_KEEP_COSTS"]) the memos' costs are first added to CostRollup, per
-    day, workflow and step, in the same transaction as the delete.
+    DURABLE["PURGE_KEEP_COSTS"]) the memos' costs stay in the per-minute rollups
+    (``durable.memos``) the cost report reads, in the same transaction as the delete.
     """
     if isinstance(older_than, str):
         older_than = parse_age(older_than)
@@ -581,8 +582,8 @@ def purge(older_than, *, batch_size=500, keep_costs=None, workflow=None, dry_run
                 _purge_schedule_events(older_than, batch_size, result)
             return result
         with transaction.atomic():
-            if keep:
-                result.costs_kept += _roll_up_costs(ids)
+            # The costs stay in the per-minute rollups (or leave them, without keep).
+            result.costs_kept += keep_memo_costs(StepResult.objects.filter(job_id__in=ids), keep=keep)
             deleted, per_model = Job.objects.filter(pk__in=ids).delete()
         result.batches += 1
         for label, count in per_model.items():
@@ -607,32 +608,6 @@ def _purge_schedule_events(older_than, batch_size, result):
         label = ScheduleEvent._meta.label
         result.rows[label] = result.rows.get(label, 0) + deleted
         result.batches += 1
-
-
-def _roll_up_costs(job_ids):
-    from django.db.models import Count, F, Sum
-    from django.db.models.functions import TruncDate
-
-    from .models import CostRollup, StepResult, memo_label
-
-    total = Decimal(0)
-    groups = (
-        StepResult.objects.filter(job_id__in=job_ids)
-        .annotate(day=TruncDate("at", tzinfo=datetime.UTC), label=memo_label())
-        .values("day", "workflow", "label")
-        .annotate(n=Count("pk"), cost=Sum("cost"), duration=Sum("duration"))
-        .order_by()
-    )
-    for g in groups:
-        rollup, _ = CostRollup.objects.get_or_create(day=g["day"], workflow=g["workflow"],
-                                                     step=g["label"])
-        cost = Decimal(g["cost"] or 0)
-        CostRollup.objects.filter(pk=rollup.pk).update(
-            steps=F("steps") + g["n"], cost=F("cost") + cost,
-            duration=F("duration") + (g["duration"] or datetime.timedelta(0)),
-        )
-        total += cost
-    return total
 
 
 # Schedules -----------------------------------------------------------------------------

@@ -173,7 +173,6 @@ def test_2_a_re_proposal_is_prepared_again_from_the_steps_it_came_from(
     assert f"Replaces proposal {first.pk}" in page
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 2")
 def test_2_a_workflow_can_name_the_steps_a_proposal_is_prepared_from(
         order, refunds, run_worker_inline, operator, tmp_path):
     # The refund's action step reads the record itself (prepared_from=()): its earlier

@@ -13,7 +13,7 @@ from durable.workflows import registry
 
 class Command(BaseCommand):
     help = ("Inspect and operate durable: status [--check] | graph WORKFLOW | "
-            "requeue|cancel|retry JOB... | grant JOB --turns N --budget X | purge |"
+            "requeue|cancel|retry JOB... | grant JOB --turns N --budget X | purge | rollup |"
             " schedules [pause|resume|run NAME]")
 
     def add_arguments(self, parser):
@@ -34,9 +34,18 @@ class Command(BaseCommand):
         add_purge_arguments(sub)
         add_status_arguments(sub)
         add_schedules_arguments(sub)
+        sub.add_parser("rollup", help="Roll memo costs up per minute now (the console and "
+                                      "/metrics also do it as they read; run it from cron "
+                                      "where neither is read often).")
 
     def handle(self, *args, verb, **options):
         return getattr(self, f"do_{verb}")(**options)
+
+    def do_rollup(self, **options):
+        from durable import memos
+
+        through = memos.roll_up()
+        self.stdout.write(f"memo costs rolled up through {through:%Y-%m-%d %H:%M} UTC")
 
     def do_graph(self, workflow, **options):
         try:
@@ -196,7 +205,7 @@ def add_purge_arguments(sub):
                    help="Age since the job last changed: 90d, 12h, 30m, 2w, 45s.")
     p.add_argument("--batch-size", type=int, default=500, help="Jobs per transaction.")
     p.add_argument("--keep-costs", action=argparse.BooleanOptionalAction, default=None,
-                   help="Roll memo costs up per day and step first "
+                   help="Keep the purged memos' costs in the cost report "
                         "(default DURABLE['PURGE_KEEP_COSTS']).")
     p.add_argument("--workflow", default=None, help="Only jobs of this workflow.")
     p.add_argument("--dry-run", action="store_true", help="Count, delete nothing.")
