@@ -233,7 +233,6 @@ def test_3_the_approver_is_told_afterwards_that_the_approval_was_superseded(
 # 4. GET on a POST-only console URL ----------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 4")
 def test_4_paused_workflows_in_the_admin_index_opens_their_list(operator):
     services.pause("test_pipeline", user="ops", reason="maintenance")
 
@@ -242,7 +241,6 @@ def test_4_paused_workflows_in_the_admin_index_opens_their_list(operator):
     assert "test_pipeline" in text(response)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 4")
 @pytest.mark.parametrize("url", [
     "/admin/durable/reconcile/12/lookup/",
     "/admin/durable/job/doc-1/act/cancel/",

@@ -19,10 +19,11 @@ with a message and a 403, changing nothing. Views never edit rows: every change 
 call to a verb in ``durable.services``, ``durable.reconcile`` or ``durable.approvals``.
 """
 
+from django.contrib.admin.utils import unquote
 from django.urls import path
 
 from . import approvals, bulk, costs, dashboard, jobs, reconcile, schedules
-from .base import admin_url, chrome, page, serve, show_json, url_or_blank
+from .base import admin_url, chrome, job_url, page, serve, show_json, url_or_blank
 
 __all__ = ["confirm_selected", "console_urls", "job_list_context", "job_page", "job_urls",
            "show_json"]
@@ -35,18 +36,23 @@ def console_urls(admin_site):
              name="durable_dashboard"),
         path("durable/failures/<str:fingerprint>/requeue/",
              page(admin_site, dashboard.requeue_group, "GET", "POST"), name="durable_requeue_group"),
-        path("durable/pause/", page(admin_site, dashboard.pause_workflow, "POST"),
+        # Not durable/pause/: that is the admin's list of paused workflows.
+        path("durable/workflows/pause/", page(admin_site, dashboard.pause_workflow, "POST"),
              name="durable_pause"),
         path("durable/reconcile/", page(admin_site, reconcile.reconciliation, "GET", "HEAD"),
              name="durable_reconcile"),
         path("durable/reconcile/<int:pk>/<str:decision>/",
-             page(admin_site, reconcile.reconcile_decide, "POST"), name="durable_reconcile_decide"),
+             page(admin_site, reconcile.reconcile_decide, "POST",
+                  back=lambda site, **_: (url_or_blank(site, "durable_reconcile"), "Reconciliation")),
+             name="durable_reconcile_decide"),
         path("durable/costs/", page(admin_site, costs.cost_report, "GET", "HEAD"),
              name="durable_costs"),
         path("durable/schedules/", page(admin_site, schedules.schedule_list, "GET", "HEAD"),
              name="durable_schedules"),
         path("durable/schedules/<str:name>/<str:verb>/",
-             page(admin_site, schedules.schedule_act, "POST"), name="durable_schedule_act"),
+             page(admin_site, schedules.schedule_act, "POST",
+                  back=lambda site, **_: (url_or_blank(site, "durable_schedules"), "Schedules")),
+             name="durable_schedule_act"),
         path("durable/approvals/", page(admin_site, approvals.queue, "GET", "HEAD"),
              name="durable_approvals"),
         path("durable/approvals/<int:pk>/", page(admin_site, approvals.detail, "GET", "HEAD", "POST"),
@@ -63,7 +69,10 @@ def job_urls(model_admin):
         path("<path:object_id>/signal/",
              page(site, jobs.job_signal, "POST", model_admin=model_admin), name="durable_job_signal"),
         path("<path:object_id>/act/<str:verb>/",
-             page(site, jobs.job_action, "POST", model_admin=model_admin), name="durable_job_act"),
+             page(site, jobs.job_action, "POST", model_admin=model_admin,
+                  back=lambda site, object_id, **_: (job_url(site, unquote(object_id)),
+                                                     unquote(object_id))),
+             name="durable_job_act"),
         path("<path:object_id>/replay/<str:step>/",
              page(site, jobs.replay, "GET", "POST", model_admin=model_admin),
              name="durable_job_replay"),

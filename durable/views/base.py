@@ -50,17 +50,40 @@ class Refused(Exception):
     Nothing has been changed when it is raised.
     """
 
-    def __init__(self, message, back="", status=403):
+    def __init__(self, message, back="", status=403, back_label="", title="Not allowed"):
         super().__init__(message)
         self.message = message
         self.back = back
         self.status = status
+        self.back_label = back_label
+        self.title = title
 
 
 def render_refusal(request, admin_site, exc):
     """The page for a :class:`Refused`: its message, a link back, its status."""
-    ctx = context(request, admin_site, "Not allowed", message=exc.message, back=exc.back)
+    ctx = context(request, admin_site, exc.title, message=exc.message, back=exc.back,
+                  back_label=exc.back_label)
     return TemplateResponse(request, "admin/durable/refused.html", ctx, status=exc.status)
+
+
+def _only_a_button(request, admin_site, methods, back, kwargs):
+    """A page for a GET on an address only a form's button sends to (a 405 that explains).
+
+    Such addresses are reached by a bookmark, a link copied from a form, or the login
+    page's ``next`` after a session expired before a button was clicked.
+    """
+    url, label = back(admin_site, **kwargs) if back else ("", "")
+    if not url:
+        url, label = url_or_blank(admin_site, "durable_dashboard"), "the dashboard"
+    exc = Refused(
+        "This address only answers a form's button (it acts when the form is sent); "
+        "opened as a page it has nothing to show, and nothing was changed. "
+        "If you were about to act, open the page again and use its button.",
+        url, status=405, back_label=label, title="Nothing to show here",
+    )
+    response = render_refusal(request, admin_site, exc)
+    response["Allow"] = ", ".join(methods)
+    return response
 
 
 def has_nul(request, kwargs):
@@ -103,15 +126,20 @@ def in_utc(view, request, *args, **kwargs):
     return response
 
 
-def serve(admin_site, view, *methods, model_admin=None):
+def serve(admin_site, view, *methods, model_admin=None, back=None):
     """``view`` as a URL's view, everything :func:`page` does but the staff check.
 
     With no ``methods`` every method reaches the view (the admin's own views decide).
+    A GET on a POST-only view gets a page that explains and links ``back(admin_site,
+    **url_kwargs)`` (a ``(url, label)`` pair), with status 405; other methods get the
+    plain 405.
     """
 
     @functools.wraps(view)
     def bound(request, *args, **kwargs):
         request.current_app = admin_site.name  # so {% url 'admin:…' %} finds this site
+        if methods and request.method in ("GET", "HEAD") and request.method not in methods:
+            return in_utc(_only_a_button, request, admin_site, methods, back, kwargs)
         try:
             return in_utc(view, request, model_admin or admin_site, *args, **kwargs)
         except Refused as exc:
@@ -119,13 +147,14 @@ def serve(admin_site, view, *methods, model_admin=None):
 
     wrapped = refuse_nul(bound)
     if methods:
-        wrapped = require_http_methods(list(methods))(wrapped)
+        wrapped = require_http_methods([*methods, "GET", "HEAD"])(wrapped)
     return xframe_options_deny(wrapped)
 
 
-def page(admin_site, view, *methods, model_admin=None):
+def page(admin_site, view, *methods, model_admin=None, back=None):
     """Wrap a console view: refuse framing, allow ``methods``, staff only, CSRF, never cached."""
-    return admin_site.admin_view(serve(admin_site, view, *methods, model_admin=model_admin))
+    return admin_site.admin_view(
+        serve(admin_site, view, *methods, model_admin=model_admin, back=back))
 
 
 # Permissions and form input ----------------------------------------------------------------
