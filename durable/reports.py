@@ -27,6 +27,7 @@ from django.db.models import (
     Min,
     OuterRef,
     Q,
+    Subquery,
     Sum,
     Value,
     When,
@@ -127,7 +128,8 @@ class StateRow:
     left: int = 0
     # Counted from the planner's estimate (a large terminal state on PostgreSQL).
     estimated: bool = False
-    # The average age at the window's start of the jobs that were there then and still are.
+    # The jobs there at the window's start that still are, and their average age then.
+    stayed: int = 0
     avg_age_then_of_stayers: float | None = None
 
     @property
@@ -175,9 +177,9 @@ def where_is_everything(*, now=None, window=DEFAULT_WINDOW, workflow=None):
       (kind, at) index, and minus the jobs created since: only the window's events
       and the jobs changed in it are read.
 
-    A state is *stalled* when it gained jobs over the window, none left it, and its
-    oldest job has sat there longer than the window: jobs arrive and nothing moves.
-    Only stages that drain by themselves can stall (see FLOWING_KINDS).
+    A state is *stalled* when its count and its average age both rose over the window
+    and its oldest job has sat there longer than the window: jobs arrive and nothing
+    moves. Only stages that drain by themselves can stall (see FLOWING_KINDS).
     """
     now = now or locking.db_now()
     moment = now - window
@@ -208,6 +210,7 @@ def where_is_everything(*, now=None, window=DEFAULT_WINDOW, workflow=None):
                 count=g["count"], avg_age=max(_seconds(g["avg_age"]) or 0.0, 0.0),
                 oldest_age=max((now - g["oldest"]).total_seconds(), 0.0),
             )
+            row.stayed = g["stayed"]
             if g["stayed"]:
                 row.avg_age_then_of_stayers = max(_seconds(g["avg_then"]) or 0.0, 0.0)
     moved_in, moved_out = _moves_since(moment, workflow)
@@ -221,9 +224,15 @@ def where_is_everything(*, now=None, window=DEFAULT_WINDOW, workflow=None):
         arrived, left = moved_in.get(key, 0), moved_out.get(key, 0)
         row.count_before = max(row.count - arrived + left, 0)
         row.left = left
-        # The average age then is known exactly when nobody left (all were still there).
-        then = row.avg_age_then_of_stayers
-        row.avg_age_before = then if not left and not row.is_terminal else None
+        row.avg_age_before = None
+        if row.is_terminal or not row.count_before:
+            continue
+        if not left:
+            # Everyone there then is there still: their ages then are known exactly.
+            row.avg_age_before = row.avg_age_then_of_stayers
+        elif _may_stall(row, window):
+            row.avg_age_before = _avg_age_then(row, moment)
+    for row in rows.values():
         row.stalled = _is_stalled(row, window)
     ordered = sorted(rows.values(), key=_display_order)
     return Overview(now=now, window=window, workflow=workflow, rows=ordered)
@@ -238,15 +247,49 @@ FLOWING_KINDS = (StateKind.INITIAL, StateKind.READY, StateKind.WORKING, StateKin
 ESTIMATE_ABOVE = 10_000
 
 
-def _is_stalled(row, window):
-    if row.kind not in FLOWING_KINDS or not row.count:
-        return False
+# Jobs that left a state during the window whose age then is read one by one; beyond
+# this many, the most recent ones stand for the rest.
+LEAVERS_SAMPLE = 2000
+
+
+def _may_stall(row, window):
+    """Whether a stall is possible before the average age then is known."""
     return (
-        row.count > (row.count_before or 0)
-        and (row.count_before or 0) > 0
-        and not row.left
-        and row.oldest_age >= window.total_seconds()
+        row.kind in FLOWING_KINDS
+        and row.count > (row.count_before or 0) > 0
+        and (row.oldest_age or 0) >= window.total_seconds()
     )
+
+
+def _is_stalled(row, window):
+    if not _may_stall(row, window) or row.avg_age_before is None:
+        return False
+    return row.avg_age > row.avg_age_before
+
+
+def _avg_age_then(row, moment):
+    """The average age at ``moment`` of the jobs in ``row``'s state then.
+
+    Those still there have their ages from ``updated``; those that left since are
+    read from the event log (their last event up to then), up to LEAVERS_SAMPLE of
+    them, the sample's mean standing for the rest.
+    """
+    last_before = JobEvent.objects.filter(job_id=OuterRef("job_id"), at__lte=moment).order_by("-id")
+    leavers = list(
+        _events_since(moment).filter(from_state=row.state, job__workflow=row.workflow,
+                                     job__created__lte=moment)
+        .exclude(to_state=row.state)
+        .annotate(entered=Subquery(last_before.values("at")[:1]))
+        .order_by("-id").values_list("job_id", "entered")[:LEAVERS_SAMPLE]
+    )
+    ages = {job: (moment - entered).total_seconds() for job, entered in leavers if entered}
+    stayed = row.stayed
+    total = stayed * (row.avg_age_then_of_stayers or 0.0)
+    if not ages:
+        return row.avg_age_then_of_stayers if stayed else None
+    left = max(row.left, len(ages))
+    total += left * (sum(ages.values()) / len(ages))
+    return max(total / (stayed + left), 0.0)
 
 
 def _display_order(row):

@@ -289,7 +289,6 @@ def mixed():
         make_job(f"p-{i}", "pending")
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 6")
 def test_6_requeue_all_matching_counts_only_failed_jobs(operator, mixed):
     page = text(operator.get(reverse("admin:durable_job_bulk", args=["requeue"])))
 
@@ -298,7 +297,6 @@ def test_6_requeue_all_matching_counts_only_failed_jobs(operator, mixed):
     assert "7 other" in page  # the rest are named as left alone
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 6")
 def test_6_cancel_of_finished_jobs_offers_nothing_to_cancel(operator, mixed):
     page = text(operator.get(reverse("admin:durable_job_bulk", args=["cancel"])
                              + "?state__exact=delivered"))
@@ -308,7 +306,6 @@ def test_6_cancel_of_finished_jobs_offers_nothing_to_cancel(operator, mixed):
     assert "Yes, cancel" not in page
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 6")
 def test_6_the_confirmed_bulk_verb_changes_the_count_it_restated(operator, mixed):
     url = reverse("admin:durable_job_bulk", args=["requeue"])
     response = operator.post(url, {"confirm": "yes", "expected": "3", "reason": "fixed"},
@@ -487,7 +484,6 @@ def test_12_retry_now_on_a_paused_workflow_says_it_waits_for_the_resume(operator
     assert "paused" in page and "resume" in page.lower()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 12")
 def test_12_the_permission_refusal_reads_as_english(django_user_model):
     client = Client()
     client.force_login(make_user("vic", "view_job"))

@@ -26,7 +26,7 @@ def bulk_action(request, model_admin, verb):
         raise Http404(f"There is no bulk verb {verb!r}")
     ids = request.POST.getlist("ids")
     back = admin_url(admin_site, "durable_job_changelist", query=request.GET.urlencode())
-    require(request, v.permission, f"{v.label.lower()} jobs", back)
+    require(request, v.permission, f"{v.what} jobs", back)
     if ids:
         queryset = Job.objects.filter(pk__in=ids)
         scope = [f"The {len(ids)} job{'s' if len(ids) != 1 else ''} you selected"]
@@ -42,17 +42,34 @@ def bulk_action(request, model_admin, verb):
                          title=f"{v.label} all matching jobs", ids=ids)
 
 
+# Query parameters of the job list that are not filters.
+_NOT_FILTERS = {"q", "o", "p", "_facets", "all", "e", "_changelist_filters", "_to_field", "_popup"}
+
+
 def describe_filters(changelist):
-    """The job list's current filter and search, in words, one line each."""
+    """The job list's current filter and search, in words, one line each.
+
+    Parameters the list's filter panel does not show (a hand-typed ``state__exact``)
+    still filter the list, so they are restated too, as they were written.
+    """
     lines = []
-    used = set(changelist.params) if hasattr(changelist, "params") else set()
+    params = dict(changelist.params) if hasattr(changelist, "params") else {}
+    used = set(params)
     for spec in changelist.filter_specs:
-        if not used.intersection(spec.expected_parameters()):
+        expected = set(spec.expected_parameters())
+        if not used.intersection(expected):
             continue
+        used -= expected
         chosen = [str(c["display"]) for c in spec.choices(changelist) if c.get("selected")]
         lines.append(f"{str(spec.title).capitalize()}: {', '.join(chosen) or 'filtered'}")
+    for name in sorted(used - _NOT_FILTERS):
+        value = params[name]
+        value = ", ".join(value) if isinstance(value, (list, tuple)) else value
+        field, _, lookup = name.partition("__")
+        lines.append(f"{field.replace('_', ' ').capitalize()}"
+                     f"{'' if lookup in ('', 'exact') else f' ({lookup})'}: {value}")
     if changelist.query:
-        lines.append(f"Key contains “{changelist.query}”")
+        lines.append(f"Key begins with “{changelist.query}”")
     return lines or ["All jobs (no filter)"]
 
 
@@ -60,7 +77,7 @@ def bulk_confirm_selected(request, model_admin, verb, ids):
     """The confirmation page for an admin action on the rows ticked in the job list."""
     admin_site = model_admin.admin_site
     v = VERBS[verb]
-    require(request, v.permission, f"{v.label.lower()} jobs")
+    require(request, v.permission, f"{v.what} jobs")
     return confirm_bulk(
         request, admin_site, v, Job.objects.filter(pk__in=ids),
         scope=[f"The {len(ids)} job{'s' if len(ids) != 1 else ''} you selected"],
@@ -71,10 +88,21 @@ def bulk_confirm_selected(request, model_admin, verb, ids):
 
 def confirm_bulk(request, admin_site, verb, queryset, *, scope, back, title, ids=(), example="",
                   action=None, submitted=None):
-    """Restate count and scope and ask for a reason; on the confirming POST, run the verb."""
+    """Restate count and scope and ask for a reason; on the confirming POST, run the verb.
+
+    The count is of the jobs the verb can change (a requeue touches failed jobs only);
+    the others the selection matches are named as left alone.
+    """
     if submitted is None:
         submitted = request.method == "POST" and "confirm" in request.POST
+    matched = queryset
+    if verb.applies is not None:
+        queryset = queryset.filter(verb.applies())
     count = queryset.count()
+    others = matched.count() - count if verb.applies is not None else 0
+    if others:
+        scope = [*scope, f"{others} other job{'s' if others != 1 else ''} in this selection"
+                         f" {'are' if others != 1 else 'is'} not {verb.applies_to}: left alone"]
     errors = []
     if submitted:
         reason = form_reason(request)

@@ -11,15 +11,17 @@ from decimal import Decimal
 from django.contrib import messages
 from django.contrib.admin.utils import quote, unquote
 from django.core.exceptions import PermissionDenied
+from django.db.models import Q
+from django.db.models.functions import Now
 from django.http import Http404, HttpResponseRedirect
 from django.shortcuts import get_object_or_404
 from django.template.response import TemplateResponse
 
-from .. import locking, services
+from .. import locking, reports, services
 from ..conf import durable_settings
 from ..exceptions import DurableError, OperatorError
 from ..models import Job, Pause, Signal, StepResult
-from ..states import CANCELLED, StateKind
+from ..states import CANCELLED, CLAIMABLE_KINDS, StateKind
 from ..workflows import registry
 from .base import admin_url, context, form_reason, job_url, jobs_url, require, show_json, url_or_blank
 
@@ -45,19 +47,32 @@ class Verb:
     service: object
     bulk: object = None
     help: str = ""
+    # The jobs the verb can change (a Q over Job), and those states in words.
+    applies: object = None
+    applies_to: str = ""
+    # How the refusal names it: "You may not <what> jobs".
+    what: str = ""
+
+
+def _retryable():
+    return reports.kind_q(*CLAIMABLE_KINDS) & ~Q(lease_until__gte=Now())
 
 
 VERBS = {
     "requeue": Verb("requeue", "Requeue", "requeued", "durable.requeue_job", services.requeue,
-                    services.bulk_requeue, "Send it back along the retry edge with fresh attempts."),
+                    services.bulk_requeue, "Send it back along the retry edge with fresh attempts.",
+                    reports.failed_q, "in a failed state", "requeue"),
     "retry": Verb("retry", "Retry now", "is due now", "durable.retry_job", services.retry_now,
-                  services.bulk_retry_now, "Clear the backoff or timer so a worker runs it at once."),
+                  services.bulk_retry_now, "Clear the backoff or timer so a worker runs it at once.",
+                  _retryable, "waiting for a worker, without a live lease", "retry"),
     "cancel": Verb("cancel", "Cancel", "cancelled", "durable.cancel_job", services.cancel,
-                   services.bulk_cancel, "Stop it for good; unsent actions are withdrawn."),
+                   services.bulk_cancel, "Stop it for good; unsent actions are withdrawn.",
+                   reports.unfinished_q, "not finished yet", "cancel"),
     "send_back": Verb("send_back", "Send back", "sent back", "durable.send_back_job",
-                      services.send_back, None, "Return it to a state the table allows."),
+                      services.send_back, None, "Return it to a state the table allows.",
+                      what="send back"),
     "grant": Verb("grant", "Grant", "granted more", "durable.grant_job", _grant, None,
-                  "Give the agent more turns or budget and let it go on."),
+                  "Give the agent more turns or budget and let it go on.", what="grant more to"),
 }
 
 
@@ -254,7 +269,7 @@ def job_action(request, model_admin, object_id, verb):
         raise Http404(f"There is no verb {verb!r}")
     job_id = unquote(object_id)
     back = job_url(admin_site, job_id)
-    require(request, v.permission, f"{v.label.lower()} jobs", back)
+    require(request, v.permission, f"{v.what} jobs", back)
     reason = form_reason(request)
     if not reason:
         messages.error(request, f"{v.label}: give a reason; it is recorded in the job's history. "
