@@ -117,6 +117,26 @@ class StateFilter(admin.SimpleListFilter):
         return queryset.filter(state=self.value()) if self.value() else queryset
 
 
+class FailureGroupFilter(admin.SimpleListFilter):
+    """The failed jobs of one failure group (the dashboard's count links here)."""
+
+    title = "failure cause"
+    parameter_name = "failure"
+
+    def lookups(self, request, model_admin):
+        digest = request.GET.get(self.parameter_name)
+        if not digest:
+            return []  # only shown while it filters: listing every cause costs a scan
+        group = reports.failure_group(digest)
+        label = f"{group.workflow}.{group.step}: {group.error_class} {group.message}"[:120] if group else digest
+        return [(digest, label)]
+
+    def queryset(self, request, queryset):
+        if not self.value():
+            return queryset
+        return queryset.filter(pk__in=reports.jobs_in_failure_group(self.value()).values("pk"))
+
+
 class EstimatedCountPaginator(Paginator):
     """Pages of the job list; an unfiltered list is counted from the planner's estimate.
 
@@ -163,7 +183,7 @@ class JobAdmin(ReadOnlyAdmin):
                     "last_error_short", "cost_so_far"]
     list_display_links = ["id"]
     list_filter = [WorkflowFilter, StateFilter, StuckFilter, FailedFilter, HumanFilter,
-                   ParentFilter]
+                   ParentFilter, FailureGroupFilter]
     search_fields = ["id"]
     search_help_text = "Search by key: the whole key, or its beginning."
     ordering = ["-updated"]

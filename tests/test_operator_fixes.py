@@ -318,7 +318,6 @@ def test_6_the_confirmed_bulk_verb_changes_the_count_it_restated(operator, mixed
 # 7. Failure groups ------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 7")
 def test_7_a_failure_groups_link_lists_that_groups_jobs_only(operator):
     for i in range(2):
         make_job(f"x-{i}", "failed_extract", last_error="ValueError: bad document")

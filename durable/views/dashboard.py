@@ -13,7 +13,7 @@ from django.template.response import TemplateResponse
 
 from .. import reports, services
 from ..exceptions import DurableError
-from ..models import Approval, Job, Outbox
+from ..models import Job, Outbox
 from ..workflows import registry
 from .base import (
     admin_url,
@@ -35,11 +35,19 @@ AUTO_REFRESH_SECONDS = 30
 
 
 def scope_of(request):
-    """The dashboard's workflow (None for all), the known workflows, the trend window."""
+    """The dashboard's workflow (None for all), the known workflows, the trend window.
+
+    Known: the registered workflows, and an unregistered one that still has jobs (asked
+    by name, one index probe; the overview lists the others): never a DISTINCT over
+    every job.
+    """
     workflow = request.GET.get("workflow") or None
-    known = set(registry.names()) | set(Job.objects.values_list("workflow", flat=True).distinct())
+    known = set(registry.names())
     if workflow and workflow not in known:
-        workflow = None
+        if Job.objects.filter(workflow=workflow).exists():
+            known.add(workflow)
+        else:
+            workflow = None
     minutes = WINDOWS.get(request.GET.get("window", "15"), 15)
     return workflow, sorted(known), minutes
 
@@ -50,6 +58,7 @@ def dashboard(request, admin_site):
     workflow, workflows, minutes = scope_of(request)
     status = reports.status(window=datetime.timedelta(minutes=minutes), workflow=workflow)
     overview = status["overview"]
+    workflows = sorted(set(workflows) | {row.workflow for row in overview.rows})
     sections = []
     for name, rows in overview.by_workflow():
         definition = registry.get(name) if name in registry else None
@@ -74,7 +83,7 @@ def dashboard(request, admin_site):
     failures = [
         {"group": g,
          "requeue_url": admin_url(admin_site, "durable_requeue_group", g.fingerprint),
-         "jobs_url": jobs_url(admin_site, failed="yes", workflow=g.workflow)}
+         "jobs_url": jobs_url(admin_site, failure=g.fingerprint)}
         for g in status["failures"]
     ]
     stuck = [{**row, "url": job_url(admin_site, row["id"])} for row in status["stuck"]]
@@ -109,9 +118,8 @@ def dashboard(request, admin_site):
         costs_url=admin_url(admin_site, "durable_costs"),
         human_total=Job.objects.filter(reports.waiting_for_human_q(workflow)).count(),
         unknown_total=reports.scoped(Outbox.objects.unknown(), workflow, "job__workflow").count(),
-        pending_approvals=reports.scoped(
-            Approval.objects.pending(), workflow, "job__workflow"
-        ).count(),
+        # One per job awaiting approval, expired proposals included: the tiles' count.
+        pending_approvals=reports.awaiting_decision(workflow).count(),
     )
     return TemplateResponse(request, "admin/durable/dashboard.html", ctx)
 
