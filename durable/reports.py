@@ -747,6 +747,10 @@ def alerts(*, now=None, workflow=None):
         left = (soonest - now).total_seconds()
         expired = left <= 0
         when = f"the first in {formats.age(left)}" if not expired else "some have already expired"
+        if expired:
+            keys = list(expiring.filter(Q(status=ApprovalStatus.EXPIRED) | Q(expires_at__lte=now))
+                        .order_by("expires_at").values_list("job_id", flat=True)[:3])
+            when += f": {', '.join(keys)}" + (" and more" if count > len(keys) else "")
         found.append(Alert(
             "approvals", "error" if expired else "warning",
             f"{count} approval{'s' if count != 1 else ''} "

@@ -103,7 +103,6 @@ def expire_while_deciding(client, approval):
     return response
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 1")
 def test_1_after_a_refused_late_approval_the_page_offers_prepare_again(propose, operator):
     approval = propose()
     response = expire_while_deciding(operator, approval)
@@ -113,7 +112,6 @@ def test_1_after_a_refused_late_approval_the_page_offers_prepare_again(propose, 
     assert 'id="prepare-again-form"' in again.content.decode()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 1")
 def test_1_the_stranded_job_stays_in_the_queue_and_on_the_dashboard(propose, operator):
     approval = propose()
     expire_while_deciding(operator, approval)
@@ -127,7 +125,6 @@ def test_1_the_stranded_job_stays_in_the_queue_and_on_the_dashboard(propose, ope
     assert "No alerts" not in dashboard
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 1")
 def test_1_the_stranded_job_page_links_to_prepare_again(propose, operator):
     approval = propose()
     expire_while_deciding(operator, approval)
@@ -199,7 +196,6 @@ def test_2_a_workflow_can_name_the_steps_a_proposal_is_prepared_from(
 # 3. "Approved: the action will be sent now." when it will not ---------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 3")
 def test_3_approving_after_the_input_changed_says_it_will_be_prepared_again(
         propose, operator, order):
     approval = propose()
@@ -212,7 +208,6 @@ def test_3_approving_after_the_input_changed_says_it_will_be_prepared_again(
     assert "inputs changed" in page
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 3")
 def test_3_the_approver_is_told_afterwards_that_the_approval_was_superseded(
         propose, operator, order):
     approval = propose()
@@ -347,7 +342,6 @@ def test_7_the_masked_cause_keeps_the_http_status():
 # 8. The approval pages are part of the console -----------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 8")
 def test_8_the_queue_and_proposal_are_console_pages(propose, operator):
     approval = propose()
     for url in (reverse("admin:durable_approvals"), proposal_url(approval)):
@@ -359,7 +353,6 @@ def test_8_the_queue_and_proposal_are_console_pages(propose, operator):
         assert "UTC" in text(operator.get(url))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 8")
 def test_8_the_proposal_explains_hashes_asks_to_confirm_and_says_reject_cancels(
         propose, operator):
     approval = propose()
@@ -371,7 +364,6 @@ def test_8_the_proposal_explains_hashes_asks_to_confirm_and_says_reject_cancels(
     assert "cancels the job" in words
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 8")
 def test_8_earlier_proposals_lists_only_earlier_ones(propose, operator, run_worker_inline):
     first = propose()
     approvals.prepare_again(first.pk, "ops", "again")
@@ -503,7 +495,6 @@ def test_12_the_cost_form_after_an_invalid_range_shows_what_is_shown(operator):
     assert re.search(r'<option value="step" selected>', page)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 12")
 def test_12_a_needs_human_question_is_not_labelled_last_error(operator):
     make_job("h-1", "needs_human", last_error="the model is only 45% sure of the budget")
     page = text(operator.get(job_page("h-1")))

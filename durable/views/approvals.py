@@ -17,7 +17,7 @@ from django.http import Http404, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.utils.timesince import timesince, timeuntil
 
-from .. import approvals, locking
+from .. import approvals, locking, reports
 from ..exceptions import DecisionForbidden, DecisionRefused
 from ..models import Approval, ApprovalStatus, EventKind, JobEvent, StepResult
 from ..workflows import Action, registry
@@ -27,6 +27,8 @@ logger = logging.getLogger("durable.approvals")
 
 # Decided or replaced proposals listed under the queue.
 RECENT = 20
+# Proposals listed in the queue (the oldest: they expire first); the total is shown.
+QUEUE_ROWS = 200
 _MICRO = Decimal("0.000001")
 
 # Who may see proposals: view or change Approval, or decide them.
@@ -37,12 +39,19 @@ VIEW_PERMISSIONS = ("durable.view_approval", "durable.change_approval", approval
 
 
 def queue(request, admin_site):
-    """Open proposals, oldest first, then the latest decisions."""
+    """Every job awaiting a decision (open or expired proposals), oldest first, then the latest decisions.
+
+    At most QUEUE_ROWS are listed (the oldest, which expire first), with the total.
+    """
     require_view(request, *VIEW_PERMISSIONS)
     now = locking.db_now()
+    waiting = pending_proposals()
+    total = waiting.count()
     pending = [
-        {"approval": a, "url": admin_url(admin_site, "durable_approval", a.pk), **_timing(a, now)}
-        for a in pending_proposals()
+        {"approval": a, "url": admin_url(admin_site, "durable_approval", a.pk),
+         "job_url": url_or_blank(admin_site, "durable_job_change", quote(a.job_id)),
+         **_timing(a, now)}
+        for a in waiting[:QUEUE_ROWS]
     ]
     recent = (
         Approval.objects.exclude(status=ApprovalStatus.REQUESTED)
@@ -52,9 +61,14 @@ def queue(request, admin_site):
         request, admin_site, "Proposals awaiting approval", "approvals",
         opts=Approval._meta,
         pending=pending,
-        recent=[{"approval": a, "url": admin_url(admin_site, "durable_approval", a.pk)}
+        pending_total=total,
+        pending_more=max(total - len(pending), 0),
+        recent=[{"approval": a, "url": admin_url(admin_site, "durable_approval", a.pk),
+                 "job_url": url_or_blank(admin_site, "durable_job_change", quote(a.job_id)),
+                 "story": story(a, now)}
                 for a in recent],
         can_decide=approvals.can_decide(request.user),
+        now=now,
     )
     return TemplateResponse(request, "admin/durable/approvals/queue.html", ctx)
 
@@ -87,13 +101,17 @@ def _proposal_page(request, admin_site, pk, *, status=200):
             after, _ = _render_value(row["after"])
             diff.append({**row, "before": "—" if row["new"] else before, "after": after})
     timing = _timing(approval, now)
-    open_ = (approval.status == ApprovalStatus.REQUESTED
-             and job.state == approvals.awaiting_state(approval))
-    may_decide = approvals.can_decide(request.user)
-    history = (
+    history = list(
         Approval.objects.filter(job_id=job.pk, step=approval.step).exclude(pk=approval.pk)
         .select_related("decided_by").order_by("-id")
     )
+    earlier = [a for a in history if a.pk < approval.pk]
+    later = [a for a in history if a.pk > approval.pk]
+    # Open: the job waits on this proposal (the latest), undecided or expired undecided.
+    open_ = (approval.status in (ApprovalStatus.REQUESTED, ApprovalStatus.EXPIRED)
+             and not later and job.state == approvals.awaiting_state(approval))
+    may_decide = approvals.can_decide(request.user)
+    replaced = earlier[0] if earlier else None
     ctx = context(
         request, admin_site, f"Proposal {approval.pk} for {job.workflow}.{approval.step}",
         "approvals",
@@ -109,8 +127,15 @@ def _proposal_page(request, admin_site, pk, *, status=200):
         can_decide=may_decide,
         show_decision=may_decide and open_ and not timing["expired"],
         show_prepare_again=may_decide and open_ and timing["expired"],
-        history=[{"approval": a, "url": admin_url(admin_site, "durable_approval", a.pk)}
-                 for a in history],
+        story=story(approval, now, later=later),
+        on_reject=_on_reject(job, approval.step),
+        replaced=replaced,
+        replaced_url=admin_url(admin_site, "durable_approval", replaced.pk) if replaced else "",
+        changes=value_changes(replaced, approval) if replaced else [],
+        earlier=[{"approval": a, "url": admin_url(admin_site, "durable_approval", a.pk)}
+                 for a in earlier],
+        later=[{"approval": a, "url": admin_url(admin_site, "durable_approval", a.pk)}
+               for a in reversed(later)],
         # The console may be installed on a site that does not register Job.
         job_url=url_or_blank(admin_site, "durable_job_change", quote(job.pk)),
     )
@@ -127,8 +152,8 @@ def _decide(request, admin_site, pk):
                 f" '{approvals.PERMISSION}' is missing. Nothing was changed."
             )
         if decision == "approve":
-            approvals.approve(pk, seen, request.user, request.POST.get("note", ""))
-            done = "Approved: the action will be sent now."
+            approval = approvals.approve(pk, seen, request.user, request.POST.get("note", ""))
+            done = _after_approval(approval)
         elif decision == "reject":
             approval = approvals.reject(pk, seen, request.user, request.POST.get("reason", ""))
             done = f"Rejected: the job went to {approval.job.state}."
@@ -145,6 +170,87 @@ def _decide(request, admin_site, pk):
         return _proposal_page(request, admin_site, pk, status=409)
     messages.success(request, done)
     return HttpResponseRedirect(admin_url(admin_site, "durable_approvals"))
+
+
+def _after_approval(approval):
+    """What the approver is told will happen: the check before dispatch, run now as a preview."""
+    changed = inputs_changed(approval)
+    if changed:
+        return (f"Approved, but nothing will be sent: {changed}. The check before dispatch "
+                "sets this approval aside and the step prepares a new proposal from current "
+                "inputs; it will appear in the queue for review.")
+    return ("Approved. The dispatcher checks once more that the inputs are unchanged and the "
+            "approval has not expired, then sends it; the job page shows the outcome.")
+
+
+def inputs_changed(approval):
+    """Why the proposal's input version no longer holds ("" when it does), as of now."""
+    job = approval.job
+    try:
+        workflow = registry.get(job.workflow)
+        st = workflow.steps_by_name[approval.step]
+        current = approvals.version_text(workflow.input_version(job, approvals.context_for(job, st)))
+    except Exception as exc:  # noqa: BLE001 - an unverifiable input is not a current one
+        return f"the input version could not be computed ({type(exc).__name__}: {exc})"
+    if current != approval.input_version:
+        return (f"the inputs changed since this proposal was prepared (it was prepared from"
+                f" {approval.input_version!r}, now {current!r})")
+    return ""
+
+
+def _why(approval):
+    """The last line of the note: why the engine closed the proposal."""
+    lines = [line for line in (approval.note or "").splitlines() if line.strip()]
+    return lines[-1].strip().rstrip(".") if lines else ""
+
+
+def _at(moment):
+    return f"{moment:%Y-%m-%d %H:%M:%S} UTC" if moment else ""
+
+
+def story(approval, now, *, later=()):
+    """What happened to a proposal, in one or two sentences, for its page and its job's."""
+    who = approval.decided_by.get_username() if approval.decided_by_id else ""
+    status = approval.status
+    if status == ApprovalStatus.REQUESTED and approval.expires_at > now:
+        return f"Waiting for a decision; it expires at {_at(approval.expires_at)}."
+    if status == ApprovalStatus.REQUESTED or (status == ApprovalStatus.EXPIRED and not who):
+        text = f"Expired at {_at(approval.expires_at)} before anyone decided."
+        return text + ("" if later else " Prepare it again to review a new proposal from current inputs.")
+    if status == ApprovalStatus.APPROVED:
+        return f"Approved by {who or 'someone'} at {_at(approval.decided_at)}."
+    if status == ApprovalStatus.REJECTED:
+        return f"Rejected by {who or 'someone'} at {_at(approval.decided_at)}: {approval.note}"
+    verb = "Superseded" if status == ApprovalStatus.SUPERSEDED else "Expired"
+    why = _why(approval)
+    if who:
+        return (f"Approved by {who} at {_at(approval.decided_at)}. {verb} before it was sent"
+                f"{': ' + why if why else ''}. Nothing was sent; the step prepares a new"
+                " proposal from current inputs.")
+    return f"{verb}{': ' + why if why else ''}."
+
+
+def value_changes(before, after):
+    """The values that differ between two proposals: ``[{field, before, after}]``."""
+    old = (before.proposal or {}).get("values") or {}
+    new = (after.proposal or {}).get("values") or {}
+    rows = []
+    for key in sorted(set(old) | set(new), key=str):
+        if key not in old or key not in new or (
+                approvals.canonical_json(old[key]) != approvals.canonical_json(new[key])):
+            rows.append({"field": key, "before": _render_value(old.get(key))[0] if key in old else "—",
+                         "after": _render_value(new.get(key))[0] if key in new else "—"})
+    return rows
+
+
+def _on_reject(job, step):
+    """Where a rejection sends the job, in words."""
+    definition = registry.get(job.workflow) if job.workflow in registry else None
+    st = definition.steps_by_name.get(step) if definition else None
+    target = st.on_reject if st else "cancelled"
+    if target == "cancelled":
+        return "Rejecting cancels the job: nothing is sent and the job stops for good."
+    return f"Rejecting sends nothing and moves the job to {target}, where a person takes it from there."
 
 
 def _timing(approval, now):
@@ -168,8 +274,8 @@ def _render_value(value):
 
 
 def pending_proposals():
-    """Open proposals, oldest first."""
-    return Approval.objects.pending().select_related("job").order_by("requested_at", "id")
+    """The proposal of every job awaiting a decision (open or expired), oldest first."""
+    return reports.awaiting_decision().select_related("job").order_by("requested_at", "id")
 
 
 def cost_so_far(job_id, step=None):

@@ -216,9 +216,19 @@ def job_detail(request, model_admin, object_id):
             if can_replay and step_def is not None and not step_def.action else "",
         })
     actions = [{"row": a, "payload": show_json(a.payload, user)} for a in job.actions.order_by("id")]
+    from .approvals import story
+
+    rows = list(job.approvals.select_related("decided_by").order_by("id"))
     approvals = [{"row": a, "proposal": show_json(a.proposal, user),
-                  "url": url_or_blank(admin_site, "durable_approval", a.pk)}
-                 for a in job.approvals.select_related("decided_by").order_by("id")]
+                  "url": url_or_blank(admin_site, "durable_approval", a.pk),
+                  "story": story(a, now, later=rows[i + 1:])}
+                 for i, a in enumerate(rows)]
+    # A job awaiting approval whose proposal expired waits for "Prepare again" on its page.
+    waiting_on = None
+    if kind == StateKind.APPROVAL and approvals:
+        latest = approvals[-1]
+        waiting_on = {**latest, "expired": latest["row"].expires_at <= now
+                      or latest["row"].status == "expired"}
     inbox = [{"row": sig, "payload": show_json(sig.payload, user)}
              for sig in Signal.objects.filter(job=job).order_by("id")[:INBOX_ROWS]]
     children = list(job.children.order_by("pk").values("pk", "workflow", "state")[:CHILD_ROWS])
@@ -241,7 +251,7 @@ def job_detail(request, model_admin, object_id):
         cost=sum((m["memo"].cost for m in memos), Decimal(0)),
         timeline=timeline(job),
         table=table_rows(job, definition.table) if definition else [],
-        memos=memos, actions=actions, approvals=approvals, agent=agent,
+        memos=memos, actions=actions, approvals=approvals, agent=agent, waiting_on=waiting_on,
         payload=show_json(job.payload, user),
         result=show_json(job.result, user) if job.result is not None else None,
         verbs=_available_verbs(job, definition, user, lease),
