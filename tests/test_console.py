@@ -267,7 +267,7 @@ def test_the_job_page_shows_the_timeline_in_order_with_costs_and_the_table(viewe
     # One event per step: the state the step passed through is in its details.
     assert any(e["details"].startswith("via extracted") for e in entries)
     assert [e["at"] for e in entries] == sorted(e["at"] for e in entries)
-    assert any("cost 0.03" in e["details"] for e in entries)
+    assert any("cost USD 0.03" in e["details"] for e in entries)
     current = [row["state"] for row in response.context["table"] if row["current"]]
     assert current == ["needs_human"]
     html = response.content.decode()

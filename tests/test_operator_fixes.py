@@ -254,7 +254,6 @@ def test_4_a_get_on_a_post_only_url_explains_and_links_back(operator, url):
 # 5. The timeline of a lost reply ---------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 5")
 def test_5_a_lost_reply_reads_in_the_order_it_happened(receivers, drive, operator):
     receiver = receivers(read_timeout=0.3)
     receiver.behave("drop_after_acting", times=1)
@@ -262,13 +261,14 @@ def test_5_a_lost_reply_reads_in_the_order_it_happened(receivers, drive, operato
     drive(in_state("t1", "confirm_done"))
 
     page = text(operator.get(job_page("t1")))
-    sending = page.index("sending")
-    unknown = page.index("outcome unknown")
-    found = page.index("found")
-    assert sending < unknown < found
+    timeline = page[page.index("Timeline"):page.index("Transition table")]
+    sending = timeline.index("attempt 1: sending")
+    unknown = timeline.index("outcome unknown")
+    settled = timeline.index("succeeded (remote id")
+    assert sending < unknown < settled
     # Nothing on the timeline claims the send itself got an HTTP 200.
-    assert "action sent — HTTP 200" not in page
-    assert "now succeeded" not in page
+    assert "HTTP 200" not in timeline[:unknown]
+    assert "now succeeded" not in timeline
 
 
 # 6. Bulk confirmations count what the verb touches ------------------------------------------------

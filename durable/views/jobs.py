@@ -17,7 +17,7 @@ from django.http import Http404, HttpResponseRedirect
 from django.shortcuts import get_object_or_404
 from django.template.response import TemplateResponse
 
-from .. import locking, reports, services
+from .. import formats, locking, reports, services
 from ..conf import durable_settings
 from ..exceptions import DurableError, OperatorError
 from ..models import Job, Pause, Signal, StepResult
@@ -102,7 +102,7 @@ def _event_details(data):
     if "ms" in data:
         parts.append(f"{float(data['ms']):.0f} ms")
     if data.get("cost") not in (None, "", "0", "0.000000"):
-        parts.append(f"cost {data['cost']}")
+        parts.append(f"cost {formats.money(data['cost'])}")
     if "delay" in data:
         parts.append(f"next try in {float(data['delay']):.1f} s")
     if data.get("reason"):
@@ -110,16 +110,36 @@ def _event_details(data):
     return " · ".join(parts)
 
 
+# How the timeline names an action event by the phase it records.
+ACTION_PHASES = {"enqueued": "action written", "attempted": "action sent",
+                 "unknown": "action outcome unknown"}
+
+
 def timeline(job):
-    """Every event, memo, action and approval of ``job``, oldest first."""
+    """Every event of ``job``, oldest first: each entry at the time it happened, saying what
+    was known then.
+
+    The event log is the audit trail: the outbox and approval rows hold only their latest
+    fields (a lost reply's row says "succeeded, HTTP 200" from a lookup made later), so
+    entries are built from them only for rows the log says nothing about (written before
+    their events were), and memos only for steps without a step event.
+    """
     entries = []
     step_done = set()
+    actions_logged, approvals_logged = set(), set()
     for e in job.events.order_by("id"):
         if e.kind == "step_done":
             step_done.add(e.step)
+        if isinstance(e.data, dict):
+            if e.kind == "action" or e.data.get("action") is not None:
+                actions_logged.update(str(v) for v in (e.data.get("action"), e.data.get("key")) if v)
+            if e.data.get("approval") is not None:
+                approvals_logged.add(e.data["approval"])
+        phase = e.data.get("phase") if isinstance(e.data, dict) else None
         entries.append({
             "at": e.at, "order": (0, e.pk), "source": "event", "kind": e.kind,
-            "label": e.get_kind_display(), "from": e.from_state, "to": e.to_state,
+            "label": ACTION_PHASES.get(phase, e.get_kind_display()) if e.kind == "action"
+            else e.get_kind_display(), "from": e.from_state, "to": e.to_state,
             "step": e.step, "actor": e.actor, "message": e.message,
             "details": _event_details(e.data),
         })
@@ -128,10 +148,12 @@ def timeline(job):
             "at": m.at, "order": (1, m.pk), "source": "memo", "kind": "memo",
             "label": "memo written", "step": m.step,
             "details": f"attempt {m.attempt} · {m.duration.total_seconds() * 1000:.0f} ms"
-                       f" · cost {m.cost}",
+                       f" · cost {formats.money(m.cost)}",
             "hidden_by_event": m.step in step_done,
         })
     for a in job.actions.order_by("id"):
+        if str(a.pk) in actions_logged or a.idempotency_key in actions_logged:
+            continue
         entries.append({
             "at": a.created, "order": (2, a.pk), "source": "action", "kind": "action",
             "label": "action written", "step": a.kind,
@@ -147,6 +169,8 @@ def timeline(job):
                                                       if a.remote_id else ""),
             })
     for ap in job.approvals.select_related("decided_by").order_by("id"):
+        if ap.pk in approvals_logged:
+            continue
         entries.append({
             "at": ap.requested_at, "order": (3, ap.pk), "source": "approval", "kind": "approval",
             "label": "approval requested", "step": ap.step, "message": ap.summary,
