@@ -399,7 +399,6 @@ def unknown_action(receivers, drive):
     return action("t1")
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 9")
 def test_9_reconciliation_shows_what_the_lookups_said(unknown_action, operator):
     page = text(operator.get(reverse("admin:durable_reconcile")))
 

@@ -10,7 +10,7 @@ from django.template.response import TemplateResponse
 
 from .. import locking, reconcile
 from ..exceptions import DurableError
-from ..models import Outbox, OutboxStatus
+from ..models import EventKind, JobEvent, Outbox, OutboxStatus
 from .base import (
     admin_url,
     context,
@@ -28,7 +28,9 @@ DECISIONS = {
     "happened": (reconcile.mark_happened, "Mark happened", "It did happen: record its remote id."),
     "not_happened": (reconcile.mark_not_happened, "Mark not happened — dispatch again",
                      "It did not happen: send it again with the same key."),
-    "cancel": (reconcile.cancel_action, "Cancel", "Withdraw it; the job goes to its failed state."),
+    "cancel": (reconcile.cancel_action, "Cancel",
+               "Withdraw it and cancel the job (a decision, not a failure); it may still have"
+               " happened at the destination."),
 }
 
 
@@ -49,6 +51,7 @@ def reconciliation(request, admin_site):
             continue  # the dispatcher is sending it right now; not an operator's question
         items.append({
             "row": row, "payload": show_json(row.payload, user, limit=600),
+            "evidence": evidence(row),
             "job_url": job_url(admin_site, row.job_id),
             "stale_attempt": row.status == OutboxStatus.ATTEMPTED,
             "forms": [
@@ -88,3 +91,39 @@ def reconcile_decide(request, admin_site, pk, decision):
     else:
         messages.success(request, f"Action {pk}: {label.lower()} recorded.")
     return HttpResponseRedirect(back)
+
+
+# How many of the action's events an operator is shown as evidence.
+EVIDENCE_EVENTS = 12
+
+
+def evidence(row):
+    """What the dispatcher found out about ``row``, for the operator deciding on it.
+
+    ``{"summary": one sentence, "events": [(at, message)]}``: the automatic lookups'
+    answers counted ("2 lookups: not found at the destination (2)"), the sends, and the
+    latest of the action's events, oldest first.
+    """
+    events = list(
+        JobEvent.objects.filter(job_id=row.job_id, kind=EventKind.ACTION, step=row.kind)
+        .order_by("-id").values("at", "message", "data")[:EVIDENCE_EVENTS * 4]
+    )
+    answers = {}
+    for e in events:
+        data = e["data"] if isinstance(e["data"], dict) else {}
+        message = e["message"] or ""
+        if data.get("phase") == "lookup" and data.get("found") is False:
+            answers["not found at the destination"] = answers.get("not found at the destination", 0) + 1
+        elif message.startswith("lookup ") and "could not tell" in message:
+            answers["could not tell"] = answers.get("could not tell", 0) + 1
+    sends = f"sent {row.attempts} time{'s' if row.attempts != 1 else ''} with the same key"
+    if row.lookups:
+        said = "; ".join(f"{what} ({n})" for what, n in answers.items()) or "no answer recorded"
+        summary = f"{row.lookups} lookup{'s' if row.lookups != 1 else ''}: {said}. It was {sends}."
+        if answers and set(answers) == {"not found at the destination"}:
+            summary += (" Every lookup said the destination has no such action: the strongest"
+                        " sign that it did not happen.")
+    else:
+        summary = f"No lookup was made ({row.destination} may offer none). It was {sends}."
+    shown = [(e["at"], e["message"]) for e in reversed(events[:EVIDENCE_EVENTS])]
+    return {"summary": summary, "events": shown}
