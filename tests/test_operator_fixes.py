@@ -463,7 +463,6 @@ def test_11_a_replay_preview_is_in_the_cost_report(operator, run_worker_inline):
 # 12. Smaller ------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 12")
 def test_12_retry_now_on_a_paused_workflow_says_it_waits_for_the_resume(operator):
     make_job("w-1", "fetched", next_run_at=None)
     services.pause("test_pipeline", user="ops", reason="maintenance")
@@ -484,7 +483,6 @@ def test_12_the_permission_refusal_reads_as_english(django_user_model):
     assert "You may not retry jobs" in page
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 12")
 def test_12_the_cost_form_after_an_invalid_range_shows_what_is_shown(operator):
     response = operator.get(reverse("admin:durable_costs"),
                             {"start": "2026-12-01", "end": "2026-01-01", "by": "workflow"})

@@ -6,7 +6,6 @@ from django import forms
 from django.template.response import TemplateResponse
 
 from .. import locking, reports
-from ..models import StepResult
 from ..workflows import registry
 from .base import context, require_view
 from .charts import OTHER, columns_chart
@@ -43,18 +42,27 @@ def cost_report(request, admin_site):
     today = locking.db_now().astimezone(datetime.UTC).date()
     defaults = {"start": today - datetime.timedelta(days=13), "end": today, "by": "step",
                 "workflow": ""}
-    workflows = sorted(set(registry.names()) | set(
-        StepResult.objects.values_list("workflow", flat=True).distinct()))
+    # The registered workflows, and one asked for by name (no DISTINCT over every memo).
+    workflows = sorted(set(registry.names()) | ({request.GET["workflow"]}
+                                                if request.GET.get("workflow") else set()))
     form = CostForm(request.GET or None, workflows=workflows, initial=defaults)
     params = dict(defaults)
+    problems = []
     if request.GET and form.is_valid():
         params.update(form.cleaned_data)
+    elif request.GET:
+        problems = [*form.non_field_errors(),
+                    *(f"{form[name].label}: {e}" for name, errs in form.errors.items()
+                      if name != "__all__" for e in errs)]
+        # The form shows what the page shows: the default range, not what was typed.
+        form = CostForm(workflows=workflows, initial=defaults)
     start = datetime.datetime.combine(params["start"], datetime.time(), tzinfo=datetime.UTC)
     end = datetime.datetime.combine(params["end"] + datetime.timedelta(days=1), datetime.time(),
                                     tzinfo=datetime.UTC)
     data = reports.cost_by_day(start, end, by=params["by"], workflow=params["workflow"] or None)
     series = data["series"]
-    chart = columns_chart(data["days"], series)
+    # Steps that cost nothing stay in the table but take no colour in the chart.
+    chart = columns_chart(data["days"], [s for s in series if s["total"]])
     colors = {s["name"]: s["color"] for s in chart["series"]}
     for s in series:
         s["color"] = colors.get(s["name"], OTHER)
@@ -63,7 +71,8 @@ def cost_report(request, admin_site):
                 "total": data["totals"][i]} for i, day in enumerate(data["days"])]
     ctx = context(
         request, admin_site, "Cost report", "costs",
-        form=form, params=params, data=data, series=series, chart=chart, legend=legend,
+        form=form, problems=problems, params=params, data=data, series=series, chart=chart,
+        legend=legend,
         per_day=per_day, column_names=[s["name"] for s in chart["series"]],
     )
     return TemplateResponse(request, "admin/durable/costs.html", ctx)

@@ -323,7 +323,17 @@ def job_action(request, model_admin, object_id, verb):
         if not Job.objects.filter(pk=job_id).exists():
             back = admin_url(admin_site, "durable_job_changelist")
     else:
-        messages.success(request, f"Job {job_id} {v.done}; it is now {job.state}.")
+        paused = Pause.objects.filter(workflow=job.workflow).first()
+        if paused is not None and verb == "retry":
+            messages.warning(request, f"Job {job_id} runs as soon as {job.workflow} is resumed:"
+                                      " the workflow is paused, so no worker takes it until"
+                                      " then.")
+        elif paused is not None and verb in ("requeue", "send_back"):
+            messages.warning(request, f"Job {job_id} {v.done}; it is now {job.state}, but "
+                                      f"{job.workflow} is paused: no worker takes it until "
+                                      "someone resumes the workflow.")
+        else:
+            messages.success(request, f"Job {job_id} {v.done}; it is now {job.state}.")
     return HttpResponseRedirect(back)
 
 
