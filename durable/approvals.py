@@ -26,7 +26,7 @@ from django.db import transaction
 from django.db.models import F
 from django.db.models.functions import Now
 
-from . import audit, faults, locking
+from . import audit, faults, locking, reprepare
 from .conf import durable_settings
 from .exceptions import DecisionForbidden, DecisionRefused, DurableError, OperatorError
 from .models import (
@@ -436,13 +436,19 @@ def _send_back(row, job, states, approval, status, why):
     _park(row, f"not sent: {why}")
     moved = False
     if job.state == states.in_flight:
+        target, rerun, stale = reprepare.plan(job, states.step, approval, states.before)
+        again = f" (the steps it was prepared from run again: {', '.join(rerun)})" if rerun else ""
         moved = locking.transition(
-            job, states.before, expect=states.in_flight, actor="durable", step=states.step,
-            kind=EventKind.APPROVAL, message=f"not sent: {why}; preparing a new proposal for review",
-            data={"approval": approval.pk if approval else None, "outbox": row.pk},
+            job, target, expect=states.in_flight, actor="durable", step=states.step,
+            kind=EventKind.APPROVAL,
+            message=f"not sent: {why}; preparing a new proposal for review{again}",
+            data={"approval": approval.pk if approval else None, "outbox": row.pk,
+                  "set_aside": stale},
             fields={"next_run_at": Now(), "attempts": 0, "lease_until": None,
                     "lease_owner": None, "last_error": f"not sent: {why}"},
         )
+        if moved:
+            reprepare.carry_out(job, rerun)
     if moved:
         locking.notify("durable_jobs", job.workflow)
     logger.warning("job=%s step=%s not sent: %s", job.pk, states.step, why)
@@ -658,15 +664,17 @@ def prepare_again(approval_id, user, reason=""):
             next_attempt_at=None, last_error="set aside: preparing a new proposal",
             version=F("version") + 1, updated=Now(),
         )
+        target, rerun, stale = reprepare.plan(job, approval.step, approval, states.before)
         ok = locking.transition(
-            job, states.before, expect=states.approval, actor=audit.actor(user), step=approval.step,
+            job, target, expect=states.approval, actor=audit.actor(user), step=approval.step,
             kind=EventKind.APPROVAL, message=f"prepare again: {reason}".strip(": "),
-            data={"approval": approval.pk, "verb": "prepare_again"},
+            data={"approval": approval.pk, "verb": "prepare_again", "set_aside": stale},
             fields={"next_run_at": Now(), "attempts": 0, "lease_until": None,
                     "lease_owner": None},
         )
         if not ok:
             raise DecisionRefused(f"Job {job.pk} moved while you were acting on it; reload.")
+        reprepare.carry_out(job, rerun)
         audit.admin_log(user, approval, f"Prepare again. {reason}".strip())
         locking.notify("durable_jobs", job.workflow)
     return job

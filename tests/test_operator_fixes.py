@@ -147,7 +147,6 @@ def test_1_every_job_awaiting_approval_has_an_open_or_expired_proposal_alert(pro
 # 2. A re-proposal after an input change carries the old values --------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 2")
 def test_2_a_re_proposal_is_prepared_again_from_the_steps_it_came_from(
         order, refunds, run_worker_inline, operator):
     services.submit("quote", "q-1", {"order_file": order})
