@@ -71,8 +71,11 @@ def test_staff_with_the_permission_approve_in_the_browser_and_runworkers_sends_o
         assert text in values
     assert page.locator("#proposal-destination").inner_text() == "refunds"
     assert page.locator("#proposal-operation").inner_text() == "refund"
+    dialogs = []
+    page.once("dialog", lambda d: (dialogs.append(d.message), d.accept()))
     page.get_by_role("button", name="Approve").click()
     page.wait_for_url("**/admin/durable/approvals/")
+    assert dialogs and "Approve and send refund to refunds" in dialogs[0]
     assert "Approved" in page.locator(".messagelist").inner_text()
     assert Approval.objects.get(pk=proposal.pk).status == ApprovalStatus.APPROVED
 
