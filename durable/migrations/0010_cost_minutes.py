@@ -33,7 +33,7 @@ def roll_up_existing_memos(apps, schema_editor):
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('durable', '0004_memo_and_event_use_their_composite_indexes'),
+        ('durable', '0007_schedules'),
     ]
 
     operations = [
