@@ -376,7 +376,6 @@ def test_8_earlier_proposals_lists_only_earlier_ones(propose, operator, run_work
     assert "Earlier proposals" in page and f"{first.pk}:" in page
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 8")
 def test_8_the_readme_documents_the_current_record_hook():
     readme = (ROOT / "README.md").read_text()
     assert "current_record" in readme

@@ -132,10 +132,10 @@ def _proposal_page(request, admin_site, pk, *, status=200):
         replaced=replaced,
         replaced_url=admin_url(admin_site, "durable_approval", replaced.pk) if replaced else "",
         changes=value_changes(replaced, approval) if replaced else [],
-        earlier=[{"approval": a, "url": admin_url(admin_site, "durable_approval", a.pk)}
-                 for a in earlier],
-        later=[{"approval": a, "url": admin_url(admin_site, "durable_approval", a.pk)}
-               for a in reversed(later)],
+        history=[(heading, [{"approval": a, "url": admin_url(admin_site, "durable_approval", a.pk)}
+                            for a in group])
+                 for heading, group in (("Earlier proposals for this step", earlier),
+                                        ("Later proposals for this step", list(reversed(later))))],
         # The console may be installed on a site that does not register Job.
         job_url=url_or_blank(admin_site, "durable_job_change", quote(job.pk)),
     )
