@@ -9,6 +9,7 @@ Ages follow the first article: a job's age is the time since its row last change
 """
 
 import datetime
+import functools
 import hashlib
 import re
 from dataclasses import dataclass, field
@@ -489,6 +490,7 @@ _NORMALISERS = [
 MESSAGE_CHARS = 160
 
 
+@functools.lru_cache(maxsize=50_000)
 def split_error(text):
     """``(error class, normalised message)`` of a ``last_error``: ids, numbers and quotes removed."""
     text = (text or "").strip()
@@ -511,6 +513,13 @@ def step_of_state(workflow, state):
 
 def fingerprint(workflow, state, last_error):
     """The failure's cause: workflow, step, error class and normalised message, hashed."""
+    # Cached per process (a dashboard reads every failed job's error), keyed by the
+    # registry's generation: a step's name comes from the tables.
+    return _fingerprint(registry.generation, workflow, state, last_error)
+
+
+@functools.lru_cache(maxsize=50_000)
+def _fingerprint(generation, workflow, state, last_error):
     cls, message = split_error(last_error)
     step = step_of_state(workflow, state)
     digest = hashlib.sha256(f"{workflow}\0{step}\0{cls}\0{message}".encode()).hexdigest()[:16]
@@ -701,7 +710,7 @@ def oldest_unfinished(*, now=None, workflow=None):
     )
 
 
-def alerts(*, now=None, workflow=None):
+def alerts(*, now=None, workflow=None, failures=None):
     """The alerts that fire now; an empty list means nothing needs a person."""
     now = now or locking.db_now()
     found = []
@@ -729,7 +738,7 @@ def alerts(*, now=None, workflow=None):
             ))
     failed = _failed_jobs(workflow).count()
     if failed:
-        causes = len(failure_groups(workflow=workflow))
+        causes = len(failure_groups(workflow=workflow) if failures is None else failures)
         found.append(Alert(
             "failed", "error",
             f"{failed} job{'s' if failed != 1 else ''} in failed states",
@@ -818,14 +827,15 @@ def schedule_alerts(now, workflow=None):
 def status(*, now=None, window=DEFAULT_WINDOW, cost_window=COST_WINDOW, workflow=None):
     """The four queries and the alerts, all computed against one database time."""
     now = now or locking.db_now()
+    failures = failure_groups(workflow=workflow)
     return {
         "now": now,
         "workflow": workflow,
         "overview": where_is_everything(now=now, window=window, workflow=workflow),
         "stuck": stuck_jobs(now=now, workflow=workflow),
-        "failures": failure_groups(workflow=workflow),
+        "failures": failures,
         "costs": cost_per_step(now=now, window=cost_window, workflow=workflow),
         "cost_window": cost_window,
-        "alerts": alerts(now=now, workflow=workflow),
+        "alerts": alerts(now=now, workflow=workflow, failures=failures),
         "paused": list(Pause.objects.order_by("workflow")),
     }

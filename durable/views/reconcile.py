@@ -45,13 +45,15 @@ def reconciliation(request, admin_site):
     user = request.user
     may_decide = user.has_perm("durable.reconcile_action")
     items = []
+    rows = list(rows)
+    logs = _action_logs(rows)
     for row in rows:
         working = row.lease_until is not None and row.lease_until >= now
         if row.status == OutboxStatus.ATTEMPTED and working:
             continue  # the dispatcher is sending it right now; not an operator's question
         items.append({
             "row": row, "payload": show_json(row.payload, user, limit=600),
-            "evidence": evidence(row),
+            "evidence": evidence(row, logs.get((row.job_id, row.kind), [])),
             "job_url": job_url(admin_site, row.job_id),
             "stale_attempt": row.status == OutboxStatus.ATTEMPTED,
             "forms": [
@@ -97,17 +99,28 @@ def reconcile_decide(request, admin_site, pk, decision):
 EVIDENCE_EVENTS = 12
 
 
-def evidence(row):
+def _action_logs(rows):
+    """``{(job id, step): [action events, newest first]}`` for ``rows``, in one query."""
+    logs = {}
+    if not rows:
+        return logs
+    events = (JobEvent.objects.filter(job_id__in={r.job_id for r in rows}, kind=EventKind.ACTION)
+              .order_by("-id").values("job_id", "step", "at", "message", "data"))
+    for e in events:
+        found = logs.setdefault((e["job_id"], e["step"]), [])
+        if len(found) < EVIDENCE_EVENTS * 4:
+            found.append(e)
+    return logs
+
+
+def evidence(row, events):
     """What the dispatcher found out about ``row``, for the operator deciding on it.
 
-    ``{"summary": one sentence, "events": [(at, message)]}``: the automatic lookups'
-    answers counted ("2 lookups: not found at the destination (2)"), the sends, and the
-    latest of the action's events, oldest first.
+    ``events`` are the action's events, newest first. Returns ``{"summary": one
+    sentence, "events": [(at, message)]}``: the automatic lookups' answers counted
+    ("2 lookups: not found at the destination (2)"), the sends, and the latest of the
+    action's events, oldest first.
     """
-    events = list(
-        JobEvent.objects.filter(job_id=row.job_id, kind=EventKind.ACTION, step=row.kind)
-        .order_by("-id").values("at", "message", "data")[:EVIDENCE_EVENTS * 4]
-    )
     answers = {}
     for e in events:
         data = e["data"] if isinstance(e["data"], dict) else {}
