@@ -33,7 +33,7 @@ def roll_up_existing_memos(apps, schema_editor):
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('durable', '0007_schedules'),
+        ('durable', '0008_signals_and_children'),
     ]
 
     operations = [
