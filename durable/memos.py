@@ -24,7 +24,7 @@ from django.db.models import Count, F, Sum
 from django.db.models.functions import TruncMinute
 
 from . import locking
-from .models import CostMark, CostMinute, StepResult
+from .models import CostMark, CostMinute, StepResult, memo_label
 
 # A memo is stamped with its transaction's start (the database clock) and becomes
 # visible at commit: a minute is rolled up only this long after it closed.
@@ -49,9 +49,10 @@ def _add(minute, workflow, step, steps, cost, duration):
 
 
 def _grouped(memos):
+    """Memos per minute, workflow and label (a step, or an agent call's kind and name)."""
     return (
-        memos.annotate(bucket=TruncMinute("at", tzinfo=datetime.UTC))
-        .values("bucket", "workflow", "step")
+        memos.annotate(bucket=TruncMinute("at", tzinfo=datetime.UTC), label=memo_label())
+        .values("bucket", "workflow", "label")
         .annotate(n=Count("pk"), cost=Sum("cost"), duration=Sum("duration"))
         .order_by()
     )
@@ -77,7 +78,7 @@ def roll_up(now=None):
                 minute__gte=min(minutes), minute__lte=max(minutes))}
         fresh = []
         for g in groups:
-            key = (g["bucket"], g["workflow"], g["step"])
+            key = (g["bucket"], g["workflow"], g["label"])
             cost, duration = Decimal(g["cost"] or 0), g["duration"] or ZERO
             if key in existing:
                 CostMinute.objects.filter(pk=existing[key].pk).update(
@@ -117,18 +118,23 @@ def spent(start, end, *, workflow=None, by_day=False):
         from django.db.models.functions import TruncDate
 
         for source, stamp, n in ((minutes, "minute", Sum("steps")), (recent, "at", Count("pk"))):
-            rows = (source.annotate(day=TruncDate(stamp, tzinfo=datetime.UTC))
-                    .values("day", "workflow", "step")
+            rows = (source.annotate(day=TruncDate(stamp, tzinfo=datetime.UTC), label=_label(source))
+                    .values("day", "workflow", "label")
                     .annotate(n=n, cost=Sum("cost"), duration=Sum("duration")).order_by())
             for r in rows:
-                add(r["day"], r["workflow"], r["step"], r["n"], r["cost"], r["duration"])
+                add(r["day"], r["workflow"], r["label"], r["n"], r["cost"], r["duration"])
     else:
         for source, n in ((minutes, Sum("steps")), (recent, Count("pk"))):
-            rows = (source.values("workflow", "step")
+            rows = (source.annotate(label=_label(source)).values("workflow", "label")
                     .annotate(n=n, cost=Sum("cost"), duration=Sum("duration")).order_by())
             for r in rows:
-                add(None, r["workflow"], r["step"], r["n"], r["cost"], r["duration"])
+                add(None, r["workflow"], r["label"], r["n"], r["cost"], r["duration"])
     return list(found.values())
+
+
+def _label(source):
+    """What a row is counted under: a rollup's step column, or a memo's label."""
+    return F("step") if source.model is CostMinute else memo_label()
 
 
 def keep_costs(memos, *, keep=True):
@@ -144,9 +150,9 @@ def keep_costs(memos, *, keep=True):
         rolled = through is not None and g["bucket"] < through
         cost, duration = Decimal(g["cost"] or 0), g["duration"] or ZERO
         if rolled and not keep:
-            _add(g["bucket"], g["workflow"], g["step"], -g["n"], -cost, -duration)
+            _add(g["bucket"], g["workflow"], g["label"], -g["n"], -cost, -duration)
         elif not rolled and keep:
-            _add(g["bucket"], g["workflow"], g["step"], g["n"], cost, duration)
+            _add(g["bucket"], g["workflow"], g["label"], g["n"], cost, duration)
         if keep:
             total += cost
     return total

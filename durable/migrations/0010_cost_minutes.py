@@ -7,6 +7,9 @@ from django.db.models.functions import Now, TruncMinute
 
 def roll_up_existing_memos(apps, schema_editor):
     """The memos already written, rolled up once here rather than at the first page view."""
+    from durable.models import memo_label  # an expression over the columns of 0006
+
+
     StepResult = apps.get_model("durable", "StepResult")
     CostMinute = apps.get_model("durable", "CostMinute")
     CostMark = apps.get_model("durable", "CostMark")
@@ -16,13 +19,13 @@ def roll_up_existing_memos(apps, schema_editor):
     upto = (now - datetime.timedelta(minutes=2)).replace(second=0, microsecond=0)
     groups = (
         StepResult.objects.filter(at__lt=upto)
-        .annotate(bucket=TruncMinute("at", tzinfo=datetime.UTC))
-        .values("bucket", "workflow", "step")
+        .annotate(bucket=TruncMinute("at", tzinfo=datetime.UTC), label=memo_label())
+        .values("bucket", "workflow", "label")
         .annotate(n=Count("pk"), cost=Sum("cost"), duration=Sum("duration"))
         .order_by()
     )
     CostMinute.objects.bulk_create(
-        (CostMinute(minute=g["bucket"], workflow=g["workflow"], step=g["step"], steps=g["n"],
+        (CostMinute(minute=g["bucket"], workflow=g["workflow"], step=g["label"], steps=g["n"],
                     cost=g["cost"] or 0, duration=g["duration"] or datetime.timedelta(0))
          for g in groups.iterator()),
         batch_size=1000,
@@ -33,7 +36,7 @@ def roll_up_existing_memos(apps, schema_editor):
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('durable', '0008_signals_and_children'),
+        ('durable', '0006_agents'),
     ]
 
     operations = [
