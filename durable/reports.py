@@ -33,7 +33,6 @@ from django.db.models import (
     Value,
     When,
 )
-from django.db.models.functions import Concat
 
 from . import formats, locking
 from .conf import durable_settings
@@ -452,11 +451,12 @@ def awaiting_decision(workflow=None):
     decision came too late) can only be prepared again. Each job in an approval state
     is here exactly once, so this count is the count of those jobs.
     """
-    later = Approval.objects.filter(job_id=OuterRef("job_id"), step=OuterRef("step"),
-                                    pk__gt=OuterRef("pk"))
+    later = Approval.objects.filter(job_id=OuterRef("job_id"), pk__gt=OuterRef("pk"))
+    waiting = Q(pk__in=[])
+    for name, states in states_of_kind(StateKind.APPROVAL).items():
+        waiting |= Q(job__workflow=name, job__state__in=states)
     qs = Approval.objects.filter(
-        status__in=[ApprovalStatus.REQUESTED, ApprovalStatus.EXPIRED],
-        job__state=Concat(Value("awaiting_approval_"), F("step")),
+        waiting, status__in=[ApprovalStatus.REQUESTED, ApprovalStatus.EXPIRED],
     ).exclude(Exists(later))
     return scoped(qs, workflow, "job__workflow")
 

@@ -251,7 +251,7 @@ def test_the_budget_parks_the_job_before_the_next_model_call(run_worker_inline, 
     run_worker_inline()
     j = job("costly")
     assert j.state == "needs_human"
-    assert j.last_error.startswith("budget: the run spent 1.2000 of its budget of 1.0000")
+    assert j.last_error.startswith("budget: the run spent USD 1.20 of its budget of USD 1.00")
     assert StepResult.objects.filter(job_id="costly", kind="model").count() == 3
 
     viewer = django_user_model.objects.create_user("viewer", is_staff=True)

@@ -174,7 +174,7 @@ def test_turn_and_budget_limits_park_the_job_then_a_grant_lets_it_finish(workers
                  timeout=60, message="both bounds")
         assert Job.objects.get(pk="long").last_error.startswith("turn limit: the run used its 8")
         assert Job.objects.get(pk="costly").last_error.startswith(
-            "budget: the run spent 1.3500 of its budget of 1.0000")
+            "budget: the run spent USD 1.35 of its budget of USD 1.00")
         call_command("durable", "grant", "long", "--turns", "2", "--reason", "many orders")
         call_command("durable", "grant", "costly", "--budget", "0.50", "--reason", "worth it")
         wait_for(lambda: state("long") == "done" and state("costly") == "done", timeout=60,
