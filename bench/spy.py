@@ -14,7 +14,7 @@ import sys
 
 # (label, regex matched against any frame of a sample); a sample counts once per label.
 MARKERS = [
-    ("worker loop (everything in the worker)", r"Worker\.run \(durable/worker\.py"),
+    ("worker loop (everything in the worker)", r"Worker\.run \(durable/process\.py"),
     ("  step commit (complete_step)", r"complete_step \(durable/locking\.py"),
     ("  claim and start (claim_job / _sqlite_claim / _pg_claim)",
      r"(claim_job|_sqlite_claim|_pg_claimed) \(durable/locking\.py"),
@@ -30,7 +30,7 @@ MARKERS = [
     ("ORM: building querysets (filter/Q/resolve)",
      r"(_filter_or_exclude|build_filter|add_q|resolve_expression) \(django"),
     ("ORM: SQL compile (as_sql)", r"as_sql \(django/db/models/sql/compiler\.py"),
-    ("idle wait (Waiter.wait)", r"Waiter\.wait \(durable/worker\.py"),
+    ("idle wait (Waiter.wait)", r"Waiter\.wait \(durable/process\.py"),
 ]
 
 NATIVE_IO = re.compile(r"(fsync|fdatasync|pwrite|__libc_write|poll|recv|send|epoll|select)", re.I)

@@ -14,14 +14,9 @@ console, code and the CLI; each re-checks under a row lock what the operator saw
 """
 
 import datetime
-import hashlib
-import json
 import logging
-import math
 from dataclasses import dataclass
-from decimal import Decimal
 
-from django.core.serializers.json import DjangoJSONEncoder
 from django.db import transaction
 from django.db.models import F
 from django.db.models.functions import Now
@@ -29,6 +24,18 @@ from django.db.models.functions import Now
 from . import audit, faults, locking, reprepare
 from .conf import durable_settings
 from .exceptions import DecisionForbidden, DecisionRefused, DurableError, OperatorError
+
+# canonical_json and proposal_hash are re-exported here: the README documents them as
+# durable.approvals.canonical_json and durable.approvals.proposal_hash.
+from .identity import (
+    action_identity,
+    canonical_json,  # noqa: F401 - re-exported (see the comment above)
+    hash_of_row,
+    make_proposal,
+    proposal_hash,
+    version_text,
+    wire_values,
+)
 from .models import (
     Approval,
     ApprovalStatus,
@@ -45,97 +52,6 @@ logger = logging.getLogger("durable.approvals")
 
 PERMISSION = "durable.approve_proposal"
 CHANGED = "This proposal changed since you opened it; review the current one."
-# Approval.input_version is a CharField; longer fingerprints are stored as their hash.
-_VERSION_MAX = 255
-
-
-# Canonical form and hashing ------------------------------------------------------------
-
-
-def _number(value):
-    """One spelling per numeric value: 42, 42.0 and Decimal('42.00') are all ``42``."""
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise ValueError(f"{value!r} cannot be part of a proposal (not a finite number)")
-        # repr is the shortest text that round-trips, so a float read back from a
-        # JSON column (or PostgreSQL's jsonb numeric) spells the same.
-        value = Decimal(repr(value))
-    if not value.is_finite():
-        raise ValueError(f"{value!r} cannot be part of a proposal (not a finite number)")
-    if value == 0:
-        return "0"
-    return format(value.normalize(), "f")
-
-
-def _canonical(value):
-    if value is None:
-        return "null"
-    if value is True:
-        return "true"
-    if value is False:
-        return "false"
-    if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, (float, Decimal)):
-        return _number(value)
-    if isinstance(value, dict):
-        for key in value:
-            if not isinstance(key, str):
-                raise TypeError(f"proposal keys must be strings, not {type(key).__name__} {key!r}")
-        items = sorted(value.items())
-        return "{" + ",".join(f"{_canonical(k)}:{_canonical(v)}" for k, v in items) + "}"
-    if isinstance(value, (list, tuple)):
-        return "[" + ",".join(_canonical(v) for v in value) + "]"
-    # Dates, UUIDs and the like: as DjangoJSONEncoder would send them.
-    return _canonical(DjangoJSONEncoder().default(value))
-
-
-def canonical_json(value):
-    """Return ``value`` as canonical JSON: sorted keys, no whitespace, one spelling per number."""
-    return _canonical(value)
-
-
-def proposal_hash(proposal):
-    """Return the sha256 (hex) of a proposal's canonical JSON."""
-    return hashlib.sha256(canonical_json(proposal).encode()).hexdigest()
-
-
-def wire_values(values):
-    """Return ``values`` as they are stored and sent: JSON types only (a Decimal is its string).
-
-    The hash is taken over this form, so it is the hash of exactly what the destination
-    receives, and reading the row back from the database cannot change it.
-    """
-    from .dispatch import wire_values as wire
-
-    return wire(values)
-
-
-def version_text(value):
-    """Return an input version as stored: a string of at most 255 characters."""
-    if value is None:
-        return ""
-    text = value if isinstance(value, str) else canonical_json(value)
-    if len(text) > _VERSION_MAX:
-        text = "sha256:" + hashlib.sha256(text.encode()).hexdigest()
-    return text
-
-
-def make_proposal(destination, operation, values, input_version):
-    """Return the proposal dict that is stored, shown and hashed."""
-    return {
-        "destination": destination,
-        "operation": operation,
-        "values": values,
-        "input_version": input_version,
-    }
-
-
-def hash_of_row(row, input_version):
-    """Return the proposal hash of what an outbox row is about to send."""
-    return proposal_hash(make_proposal(row.destination, row.operation, row.payload, input_version))
 
 
 # Requesting approval (called by the dispatcher's enqueue_action) ------------------------
@@ -176,8 +92,6 @@ class _Draft:
 
     @classmethod
     def prepare(cls, started, action, ctx, cost, duration):
-        from .dispatch import action_identity
-
         claimed, st, workflow = started.claimed, started.step, started.workflow
         values = wire_values(action.values)
         version = version_text(workflow.input_version(Job.objects.get(pk=claimed.id), ctx))
@@ -263,7 +177,7 @@ def _reconcile_first(runner, started, draft, row):
         return "lost", None
     Outbox.objects.filter(pk=row.pk).update(next_attempt_at=Now(), updated=Now(),
                                             version=F("version") + 1)
-    locking.notify("durable_outbox", claimed.id)
+    locking.notify(locking.OUTBOX_CHANNEL, claimed.id)
     return "reconcile", message
 
 
@@ -334,7 +248,7 @@ def _propose(runner, started, draft, row):
               "operation": action.operation, "approval": approval.pk, **draft.timing},
     )
     if reuse is not None:
-        locking.notify("durable_outbox", claimed.id)
+        locking.notify(locking.OUTBOX_CHANNEL, claimed.id)
     return outcome, message
 
 
@@ -450,7 +364,7 @@ def _send_back(row, job, states, approval, status, why):
         if moved:
             reprepare.carry_out(job, rerun)
     if moved:
-        locking.notify("durable_jobs", job.workflow)
+        locking.notify(locking.JOBS_CHANNEL, job.workflow)
     logger.warning("job=%s step=%s not sent: %s", job.pk, states.step, why)
     return False
 
@@ -592,7 +506,7 @@ def approve(approval_id, seen_hash, user, note=""):
                 raise DecisionRefused(f"Job {job.pk} moved while you were deciding; reload.")
             audit.admin_log(user, approval, f"Approved {approval.proposal_hash[:12]}. {note}".strip())
             # Wake the dispatcher as soon as this commits, rather than at its next poll.
-            locking.notify("durable_outbox", job.pk)
+            locking.notify(locking.OUTBOX_CHANNEL, job.pk)
     if isinstance(checked, _Expired):
         raise DecisionRefused(str(checked))
     approval.refresh_from_db()
@@ -676,5 +590,5 @@ def prepare_again(approval_id, user, reason=""):
             raise DecisionRefused(f"Job {job.pk} moved while you were acting on it; reload.")
         reprepare.carry_out(job, rerun)
         audit.admin_log(user, approval, f"Prepare again. {reason}".strip())
-        locking.notify("durable_jobs", job.workflow)
+        locking.notify(locking.JOBS_CHANNEL, job.workflow)
     return job

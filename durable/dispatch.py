@@ -18,10 +18,8 @@ recording) is unknown: it was perhaps sent.
 """
 
 import datetime
-import hashlib
 import json
 import logging
-import re
 from concurrent.futures import ThreadPoolExecutor
 
 from django.core.exceptions import ImproperlyConfigured
@@ -35,63 +33,17 @@ from . import destinations, faults, locking, schedules
 from .conf import durable_settings
 from .destinations import Outcome, Request
 from .exceptions import UnknownDestination, UnknownWorkflow
+from .identity import action_identity, wire_values
 from .models import EventKind, Job, JobEvent, Outbox, OutboxStatus, Pause, StepResult
+from .process import Drains, Waiter, keep_connections_healthy, worker_id
 from .retry import backoff, scrub
 from .signals import job_finished
 from .states import CANCELLED
-from .worker import Drains, Waiter, keep_connections_healthy, worker_id
 from .workflows import Action, registry
 
 logger = logging.getLogger("durable.dispatch")
 
-OUTBOX_CHANNEL = "durable_outbox"
-
-
-# Identity of an action ------------------------------------------------------------------
-
-
-def wire_values(values):
-    """The values as stored and sent: JSON types only (a Decimal or a date is its string)."""
-    if not isinstance(values, dict):
-        raise TypeError(f"an action's values must be a dict, not {type(values).__name__}")
-    try:
-        return json.loads(json.dumps(values, cls=DjangoJSONEncoder, allow_nan=False))
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"the action's values are not JSON-serialisable: {exc}") from None
-
-
-def canonical_json(value):
-    """One text per value: sorted keys, no whitespace, no process-dependent ordering."""
-    return json.dumps(value, cls=DjangoJSONEncoder, sort_keys=True, separators=(",", ":"),
-                      ensure_ascii=True, allow_nan=False)
-
-
-def params_hash(destination, operation, values):
-    """sha256 of what the action does: changed parameters are a different operation."""
-    text = canonical_json({"destination": destination, "operation": operation,
-                           "values": wire_values(values)})
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-_READABLE = re.compile(r"^[A-Za-z0-9._~-]{1,100}$")
-
-
-def idempotency_key(job_id, kind, params):
-    """The key sent with every attempt of this action: the job, the step and the parameters.
-
-    Readable (``job.kind.hash``) when the job key is short and header-safe; otherwise
-    a hash of all three, so any job key gives a valid, bounded header value.
-    """
-    if _READABLE.match(job_id) and _READABLE.match(kind):
-        return f"{job_id}.{kind}.{params[:16]}"
-    digest = hashlib.sha256(f"{job_id}\x00{kind}\x00{params}".encode()).hexdigest()
-    return f"durable-{digest[:40]}"
-
-
-def action_identity(job_id, kind, destination, operation, values):
-    """``(params_hash, idempotency_key)`` of an action, the same in every process."""
-    params = params_hash(destination, operation, values)
-    return params, idempotency_key(job_id, kind, params)
+OUTBOX_CHANNEL = locking.OUTBOX_CHANNEL
 
 
 # Enqueueing (called by the runner, under the job's lease) ---------------------------------
@@ -412,7 +364,7 @@ class Dispatcher(Drains):
                 except (DatabaseError, InterfaceError) as exc:
                     # A row marked attempted stays so and is reconciled after its lease.
                     failures += 1
-                    self.recover_from_database_error(exc, failures)
+                    self.recover_from_database_error(exc, failures, self.waiter)
         finally:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
@@ -865,7 +817,7 @@ def complete(ctx, memo, *, actor, message, kind=EventKind.STEP_DONE, data=None):
         StepResult.objects.create(job_id=row.job_id, step=row.kind, output=memo, cost=cost,
                                   duration=duration, attempt=attempt, workflow=job.workflow)
     if not terminal:
-        locking.notify("durable_jobs", job.workflow)
+        locking.notify(locking.JOBS_CHANNEL, job.workflow)
     return states.done if terminal else None
 
 
@@ -898,8 +850,7 @@ class OutboxWaiter(Waiter):
         return None if due is None else (due - locking.db_now()).total_seconds()
 
 
-__all__ = ["Dispatcher", "action_identity", "claim_actions", "enqueue_action",
-           "idempotency_key", "params_hash"]
+__all__ = ["Dispatcher", "OutboxWaiter", "claim_actions", "enqueue_action"]
 
 # Allow DURABLE["DESTINATIONS"] entries to name "durable.dispatch.HttpDestination".
 HttpDestination = destinations.HttpDestination

@@ -18,6 +18,11 @@ from .exceptions import IllegalTransition
 from .models import EventKind, Job, JobEvent
 from .states import RESUMING_KINDS, SETTLED_KINDS, StateKind
 
+# The NOTIFY channels on PostgreSQL: idle workers listen on the first (its payload is the
+# workflow), idle dispatchers on the second (its payload is the job id).
+JOBS_CHANNEL = "durable_jobs"
+OUTBOX_CHANNEL = "durable_outbox"
+
 
 def is_postgres(conn=None):
     return (conn or connection).vendor == "postgresql"
@@ -332,7 +337,7 @@ WITH job AS (
     INSERT INTO durable_jobevent (job_id, at, kind, from_state, to_state, step, actor, message, data)
     SELECT id, created, 'submitted', '', %(state)s, '', %(by)s, %(message)s, NULL FROM job
 ), woken AS (
-    SELECT pg_notify('durable_jobs', %(workflow)s) FROM job
+    SELECT pg_notify('durable_jobs', %(workflow)s) FROM job  -- JOBS_CHANNEL
 )
 SELECT created, updated, next_run_at, (SELECT count(*) FROM woken) FROM job
 """

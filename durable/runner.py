@@ -15,12 +15,12 @@ from django.db import DataError, transaction
 from . import faults, locking
 from .conf import durable_settings
 from .exceptions import LeaseLost, UnknownWorkflow
+from .identity import storable_json
 from .models import EventKind, Job, JobEvent, StepResult
 from .retry import backoff, classify, describe, scrub
-from .serialization import storable_json
 from .signals import job_finished, step_finished, step_started
 from .states import RESUMING_KINDS, StateKind
-from .workflows import Action, Context, NeedsHuman, Output, Wait, WaitingOn, registry
+from .workflows import Action, Context, NeedsHuman, Wait, WaitingOn, registry
 
 logger = logging.getLogger("durable.worker")
 
@@ -204,7 +204,7 @@ class Runner:
         if self.heartbeat is not None:
             self.heartbeat.watch(started, step.effective_timeout, self.on_timeout)
         try:
-            returned = started.workflow.run_step(step, data, ctx)
+            returned = started.workflow.call_step(step, data, ctx)
         except NeedsHuman as signal_:
             return self._needs_human(started, signal_.reason)
         except Wait as signal_:
@@ -221,10 +221,7 @@ class Runner:
                 self.heartbeat.unwatch()
         duration = datetime.timedelta(seconds=time.monotonic() - began)
         faults.point("after_step_before_commit")
-        cost = ctx.cost_total
-        if isinstance(returned, Output):
-            cost += Decimal(str(returned.cost))
-            returned = returned.value
+        cost, returned = returned.cost, returned.value
         if isinstance(returned, Action) or step.action:
             # An action step that returns anything else is refused there, clearly.
             return self._action(started, returned, ctx, cost, duration)

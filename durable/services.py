@@ -6,9 +6,7 @@ who did it and why in JobEvent (and Django's admin log when a user is given).
 
 import contextlib
 import datetime
-import hashlib
 import json
-import re
 import time
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -18,7 +16,7 @@ from django.core.serializers.json import DjangoJSONEncoder
 from django.db import connection, transaction
 from django.db.models.functions import Now
 
-from . import audit, locking
+from . import audit, identity, locking
 from .conf import durable_settings
 from .exceptions import IdempotencyConflict, OperatorError, PayloadInvalid
 from .memos import keep_costs as keep_memo_costs
@@ -26,10 +24,7 @@ from .memos import record_spend
 from .models import ApprovalStatus, EventKind, Job, JobEvent, OutboxStatus, Pause, StepResult
 from .retry import describe
 from .states import CANCELLED, StateKind
-from .workflows import Action, Context, NeedsHuman, Output, Wait, registry
-
-# A NUL escape json.dumps wrote, not the text "\\u0000" a user wrote (its backslash doubled).
-_NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+from .workflows import Action, Context, NeedsHuman, Wait, registry
 
 
 def _normalise_payload(payload, as_json=False):
@@ -44,10 +39,9 @@ def _normalise_payload(payload, as_json=False):
         raise PayloadInvalid(f"The payload is not JSON-serialisable: {exc}") from None
     # PostgreSQL cannot store U+0000 or a lone surrogate in JSON; SQLite can. Refuse them
     # everywhere, so a payload accepted in development does not fail in production.
-    if "\\u0000" in text and _NUL_ESCAPE.search(text):
+    if identity.has_nul(text):
         raise PayloadInvalid("The payload contains a NUL character (U+0000), which cannot be stored")
-    if "\\ud" in text and not _is_unicode(json.dumps(payload, cls=DjangoJSONEncoder,
-                                                      ensure_ascii=False)):
+    if identity.has_lone_surrogate(text, payload):
         raise PayloadInvalid("The payload contains a lone UTF-16 surrogate, which is not Unicode")
     limit = durable_settings.MAX_PAYLOAD_BYTES
     if len(text.encode()) > limit:
@@ -56,37 +50,6 @@ def _normalise_payload(payload, as_json=False):
             " (DURABLE['MAX_PAYLOAD_BYTES'])"
         )
     return text if as_json else json.loads(text)
-
-
-def _same_json(a, b):
-    """Whether two JSON values are equal, numbers compared by value.
-
-    PostgreSQL's jsonb stores numbers as numeric and may give a float back as an int
-    (5.952212542729497e+16 returns as 59522125427294970): the same payload resubmitted
-    must not look different.
-    """
-    if isinstance(a, bool) or isinstance(b, bool):
-        return a is b
-    if isinstance(a, int | float) and isinstance(b, int | float):
-        if a == b:
-            return True
-        try:
-            return float(a) == float(b)
-        except OverflowError:
-            return False
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same_json(a[k], b[k]) for k in a)
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_same_json(x, y) for x, y in zip(a, b, strict=True))
-    return a == b
-
-
-def _is_unicode(text):
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def submit(workflow, key, payload, *, run_after=None, queue="default", submitted_by=""):
@@ -99,7 +62,7 @@ def submit(workflow, key, payload, *, run_after=None, queue="default", submitted
     definition = registry.get(workflow)
     if not isinstance(key, str) or not key or len(key) > 255:
         raise PayloadInvalid("The key must be a non-empty string of at most 255 characters")
-    if "\x00" in key or not _is_unicode(key):
+    if "\x00" in key or not identity.is_unicode(key):
         raise PayloadInvalid("The key contains a NUL character or a lone surrogate")
     if not isinstance(queue, str) or not queue or len(queue) > Job._meta.get_field("queue").max_length:
         raise PayloadInvalid("The queue must be a non-empty string of at most 100 characters")
@@ -119,7 +82,7 @@ def submit(workflow, key, payload, *, run_after=None, queue="default", submitted
         if existing is None:
             # Deleted (purged) between the insert and this read: a rare race, said plainly.
             raise IdempotencyConflict(f"Job {key!r} was being replaced while it was submitted; submit again")
-        if existing.workflow != definition.name or not _same_json(existing.payload, payload):
+        if existing.workflow != definition.name or not identity.same_json(existing.payload, payload):
             raise IdempotencyConflict(
                 f"Job {key!r} already exists for workflow {existing.workflow!r} with a different"
                 f" {'workflow' if existing.workflow != definition.name else 'payload'}"
@@ -298,12 +261,6 @@ REPLAY_SALT = "durable.replay"
 REPLAY_PREVIEW_MAX_AGE = 3600
 
 
-def output_hash(output):
-    """A stable hash of a memo's output, to bind a decision to the memo it was made on."""
-    text = json.dumps(output, cls=DjangoJSONEncoder, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
 class Replay:
     """What replaying a step produced next to what its memo holds; ``token`` confirms it."""
 
@@ -323,7 +280,7 @@ class Replay:
 
     @property
     def same(self):
-        return not self.error and output_hash(self.new_output) == output_hash(self.old_output)
+        return not self.error and identity.output_hash(self.new_output) == identity.output_hash(self.old_output)
 
 
 def _replay_target(job, step_name):
@@ -376,17 +333,13 @@ def replay_step(job_id, step_name, *, user=None, reason="", confirm=None):
     began = time.monotonic()
     new_output, error = None, ""
     try:
-        returned = definition.run_step(st, data, ctx)
+        returned = definition.call_step(st, data, ctx)
     except (NeedsHuman, Wait) as signal_:
         error = f"The step did not return an output: {type(signal_).__name__}: {signal_}"
     except Exception as exc:  # noqa: BLE001 - the operator sees whatever the step raised
         error = describe(exc)
     else:
-        cost = ctx.cost_total
-        if isinstance(returned, Output):
-            cost += Decimal(str(returned.cost))
-            returned = returned.value
-        ctx.cost_total = cost
+        ctx.cost_total, returned = returned.cost, returned.value
         if isinstance(returned, Action):
             error = "The step now returns an action; actions are never replayed"
         else:
@@ -400,7 +353,7 @@ def replay_step(job_id, step_name, *, user=None, reason="", confirm=None):
                     duration=duration, error=error)
     if not error:
         replay.token = signing.dumps({
-            "job": job.pk, "step": st.name, "old": output_hash(memo.output),
+            "job": job.pk, "step": st.name, "old": identity.output_hash(memo.output),
             "new": new_output, "cost": str(ctx.cost_total), "ms": round(duration * 1000, 3),
         }, salt=REPLAY_SALT, compress=True)
     with transaction.atomic():
@@ -431,7 +384,7 @@ def _confirm_replay(job_id, step_name, token, user, reason):
         job = _get_for_update(job_id)
         _replay_target(job, step_name)
         memo = StepResult.objects.select_for_update().get(job_id=job.pk, step=step_name)
-        old_hash = output_hash(memo.output)
+        old_hash = identity.output_hash(memo.output)
         if old_hash != signed["old"]:
             raise OperatorError(
                 f"The memo of {step_name} changed since the preview; replay it again"
@@ -443,7 +396,7 @@ def _confirm_replay(job_id, step_name, token, user, reason):
             job_id=job.pk, kind=EventKind.OPERATOR, step=step_name, actor=audit.actor(user),
             from_state=job.state, to_state=job.state,
             message=f"replay: replaced the memo of {step_name}: {reason}".strip(": "),
-            data={"verb": "replay", "old": old_hash, "new": output_hash(signed["new"]),
+            data={"verb": "replay", "old": old_hash, "new": identity.output_hash(signed["new"]),
                   "cost": signed["cost"]},
         )
         audit.admin_log(user, job, f"replay: replaced the memo of {step_name}. {reason}".strip())

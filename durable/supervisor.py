@@ -82,16 +82,11 @@ def _run_role(role, index, options, parent_pid=None):
     if not django.apps.apps.ready:  # spawn start method
         django.setup()
     from .conf import bound_database_connections
-    from .worker import Worker, worker_id
+    from .process import worker_id
 
     # Before the first connection: a database that vanishes is noticed in bounded time.
     bound_database_connections()
-    runner = ROLES[role]
-    if runner is None:
-        options = dict(options)
-        worker = Worker(name=worker_id(role, index), **options)
-    else:
-        worker = runner(name=worker_id(role, index), **options)
+    worker = ROLES[role](name=worker_id(role, index), **options)
     worker.install_signal_handlers()
     # Ctrl-C reaches the whole process group, and the supervisor forwards it as SIGTERM:
     # a child that also handled the SIGINT would take that for a second signal and quit
@@ -100,15 +95,21 @@ def _run_role(role, index, options, parent_pid=None):
     worker.run()
 
 
+# Imported in the child, not here: the supervisor itself runs no steps and sends nothing.
+def _worker(**options):
+    from .worker import Worker
+
+    return Worker(**options)
+
+
 def _dispatcher(**options):
     from .dispatch import Dispatcher
 
     return Dispatcher(**options)
 
 
-# role -> factory(name=..., **options) of an object with run()/stop()/install_signal_handlers();
-# None means the job Worker.
-ROLES = {"worker": None, "dispatcher": _dispatcher}
+# role -> factory(name=..., **options) of an object with run()/stop()/install_signal_handlers().
+ROLES = {"worker": _worker, "dispatcher": _dispatcher}
 
 
 class Supervisor:
@@ -119,7 +120,7 @@ class Supervisor:
         self.processes = processes or durable_settings.PROCESSES or os.cpu_count() or 1
         self.burst = burst
         self.grace = durable_settings.SHUTDOWN_GRACE if grace is None else grace
-        # Idle workers take turns listening for new jobs (see worker.Waiter): one
+        # Idle workers take turns listening for new jobs (see process.Waiter): one
         # wake-up per job instead of every idle process racing for it.
         self.listen_turns = None
         if (workers and not burst and self.processes > 1

@@ -191,6 +191,19 @@ class Workflow:
         """Call one step's function; a hook for subclasses that wrap every step."""
         return st.func(self, data, ctx)
 
+    def call_step(self, st, data, ctx):
+        """Run one step (through ``run_step``) and unwrap an ``Output``: a ``StepReturn``.
+
+        The cost is what the step recorded with ``ctx.cost()`` plus its ``Output``'s cost.
+        The runner and replay both call steps this way.
+        """
+        returned = self.run_step(st, data, ctx)
+        cost = ctx.cost_total
+        if isinstance(returned, Output):
+            cost += Decimal(str(returned.cost))
+            returned = returned.value
+        return StepReturn(returned, cost)
+
     # Hooks for actions that need approval (see durable.approvals).
 
     def input_version(self, job, ctx):
@@ -329,6 +342,14 @@ class Output:
 
     value: object
     cost: Decimal | str | float = Decimal(0)
+
+
+@dataclass(frozen=True)
+class StepReturn:
+    """What ``Workflow.call_step`` returns: the step's value (``Output`` unwrapped) and its cost."""
+
+    value: object
+    cost: Decimal
 
 
 @dataclass

@@ -18,7 +18,8 @@ from django.test import override_settings
 
 import durable
 from durable import destinations, services
-from durable.dispatch import Dispatcher, action_identity, claim_actions
+from durable.dispatch import Dispatcher, claim_actions
+from durable.identity import action_identity
 from durable.locking import db_now
 from durable.models import JobEvent, Outbox, OutboxStatus, Pause, StepResult
 
@@ -80,7 +81,7 @@ def test_the_idempotency_key_is_the_same_in_another_process():
     here = action_identity("doc-1", "create_ticket", "crm", "create", values)
     code = (
         "import django, json, sys; django.setup();"
-        "from durable.dispatch import action_identity;"
+        "from durable.identity import action_identity;"
         "print(json.dumps(action_identity(*json.loads(sys.argv[1]))))"
     )
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", "PYTHONHASHSEED": "random"}

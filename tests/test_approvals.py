@@ -13,7 +13,7 @@ from django.contrib.auth.models import Permission
 from django.db.models.functions import Now
 from django.utils import timezone
 
-from durable import approvals, services
+from durable import approvals, identity, services
 from durable.destinations import registry as destinations
 from durable.dispatch import Dispatcher
 from durable.exceptions import DecisionForbidden, DecisionRefused
@@ -151,7 +151,7 @@ def test_the_hash_survives_a_round_trip_through_the_database(propose):
     stored = Approval.objects.get(pk=approval.pk)
 
     assert approvals.proposal_hash(stored.proposal) == stored.proposal_hash
-    assert approvals.hash_of_row(outbox(), stored.input_version) == stored.proposal_hash
+    assert identity.hash_of_row(outbox(), stored.input_version) == stored.proposal_hash
 
 
 # Requesting approval --------------------------------------------------------------------------

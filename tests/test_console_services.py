@@ -4,7 +4,7 @@ import pytest
 from django.contrib.admin.models import LogEntry
 from django.core import signing
 
-from durable import Action, Workflow, registry, services, step
+from durable import Action, Workflow, identity, registry, services, step
 from durable.exceptions import OperatorError
 from durable.models import EventKind, Job, JobEvent, StepResult
 from tests.test_console_support import make_job, make_memo, make_user
@@ -50,8 +50,8 @@ def test_confirming_a_replay_replaces_the_memo_with_what_the_operator_saw(extrac
     assert memo.cost == extracted.steps.get(step="extract").cost  # the memo keeps what it cost
     event = operator_events("doc-1")[-1]
     assert event.actor == "ops" and "parser fixed" in event.message
-    assert event.data["old"] == services.output_hash({"n": 999})
-    assert event.data["new"] == services.output_hash({"n": 5})
+    assert event.data["old"] == identity.output_hash({"n": 999})
+    assert event.data["new"] == identity.output_hash({"n": 5})
     assert LogEntry.objects.get(user=user).change_message.startswith("replay: replaced")
 
 

@@ -23,9 +23,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 import durable
 from durable import locking, services
 from durable.exceptions import IllegalTransition, OperatorError, PayloadInvalid
+from durable.identity import same_json
 from durable.models import Job, JobEvent, StepResult
 from durable.runner import Runner
-from durable.services import _same_json
 from durable.states import StateKind
 from durable.workflows import registry
 from tests.testapp.drill_workflows import CHAOS
@@ -65,7 +65,7 @@ def test_submit_refuses_exactly_the_payloads_a_database_cannot_store_and_stores_
         return
     assert not unstorable
     # Equal as JSON: PostgreSQL may give a float back as an int of the same value.
-    assert _same_json(Job.objects.get(pk=key).payload, json.loads(json.dumps(payload)))
+    assert same_json(Job.objects.get(pk=key).payload, json.loads(json.dumps(payload)))
     # Idempotent: the same payload again is the same job, never a conflict.
     assert durable.submit("recorded", key, payload).pk == key
     assert JobEvent.objects.filter(job_id=key).count() == 1
@@ -84,7 +84,7 @@ def test_a_resubmission_with_another_payload_never_changes_the_stored_one(first,
         durable.submit("recorded", key, second)
     except (PayloadInvalid, durable.IdempotencyConflict):
         pass
-    assert _same_json(Job.objects.get(pk=key).payload, stored)
+    assert same_json(Job.objects.get(pk=key).payload, stored)
 
 
 # Operator actions and worker events against the transition table -----------------------
