@@ -20,10 +20,10 @@ from . import faults, locking
 from .agents import RUNNING, Divergence, DuplicateKey, Suspended, ToolError
 from .exceptions import LeaseLost
 from .formats import money
+from .identity import storable_json
 from .llm import ModelReply, ModelReplyInvalid
 from .models import EventKind, Job, JobEvent, MemoKind, StepResult
 from .retry import scrub
-from .serialization import storable_json
 from .workflows import NeedsHuman, Output, WaitingOn
 
 logger = logging.getLogger("durable.agents")

@@ -51,7 +51,8 @@ def signal(job_key, name, payload=None, *, dedupe_key=None, source="api"):
     caller's transaction. Raises ``UnknownJob``, ``JobFinished``, ``SignalConflict``
     (same dedupe key, another payload) or ``PayloadInvalid``; each writes nothing.
     """
-    from .services import _normalise_payload, _same_json
+    from .identity import same_json
+    from .services import _normalise_payload
 
     name = _text(name, "name", Signal._meta.get_field("name").max_length)
     if dedupe_key is None:
@@ -71,7 +72,7 @@ def signal(job_key, name, payload=None, *, dedupe_key=None, source="api"):
         # learns its message was delivered, not that it was refused.
         existing = Signal.objects.filter(job=job, name=name, dedupe_key=dedupe_key).first()
         if existing is not None:
-            if not _same_json(existing.payload, payload):
+            if not same_json(existing.payload, payload):
                 raise SignalConflict(
                     f"Job {job_key!r} already has signal {name!r} with dedupe key {dedupe_key!r} and"
                     " another payload; the first delivery stands")

@@ -285,7 +285,7 @@ def _second_signal_interrupts():
     expired, then run it again. With it, the task is recorded FAILED with SystemExit
     and the worker exits; a third signal ends the process at once.
     """
-    from .worker import Drains
+    from .process import Drains
 
     if threading.current_thread() is not threading.main_thread():
         yield
