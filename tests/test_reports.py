@@ -253,10 +253,11 @@ def test_failed_rows_fire_an_alert_with_the_number_of_causes(busy):
 @override_settings(DURABLE={"ALERT_APPROVAL_EXPIRY_SECONDS": 3600})
 def test_approvals_near_expiry_and_unknown_actions_fire_alerts(db):
     now = locking.db_now()
-    job = make_job("j", "awaiting_approval_deliver", now=now)
+    # The pipeline has an approval before delivering; the test workflow has none.
+    job = make_job("j", "awaiting_approval_deliver", workflow="pipeline", now=now)
     Approval.objects.create(job=job, step="deliver", proposal={}, proposal_hash="h",
                             expires_at=now + datetime.timedelta(minutes=20))
-    later = make_job("k", "awaiting_approval_deliver", now=now)
+    later = make_job("k", "awaiting_approval_deliver", workflow="pipeline", now=now)
     Approval.objects.create(job=later, step="deliver", proposal={}, proposal_hash="h",
                             expires_at=now + datetime.timedelta(days=2))
     make_action(make_job("u", "unknown_deliver", now=now))
