@@ -130,3 +130,26 @@ def run_worker_inline():
             worker.runner.run(started)
 
     return run
+
+
+@pytest.fixture
+def refunds():
+    """A durable.testing Receiver behind the ``refunds`` destination of the approval workflows."""
+    from durable.destinations import registry as destinations
+    from durable.testing import Receiver
+    from tests.testapp.approval_workflows import use_refunds_receiver
+
+    with Receiver() as remote:
+        use_refunds_receiver(remote.url)
+        yield remote
+    destinations.unregister("refunds")
+
+
+@pytest.fixture
+def order(tmp_path):
+    """The order file the refund workflows read: order 123, 42.00 EUR, paid."""
+    from tests.testapp.approval_workflows import write_order
+
+    path = str(tmp_path / "order.json")
+    write_order(path, id="123", amount="42.00", currency="EUR", status="paid")
+    return path

@@ -1,7 +1,7 @@
 """Approvals bound to a proposal: hashing, requests, decisions and the checks before dispatch.
 
 Jobs run through the real runner (an in-process burst worker) and actions through the
-real dispatcher, against a real receiver on 127.0.0.1 that counts what it applied.
+real dispatcher, against a real refunds on 127.0.0.1 that counts what it applied.
 """
 
 import datetime
@@ -14,7 +14,6 @@ from django.db.models.functions import Now
 from django.utils import timezone
 
 from durable import approvals, identity, services
-from durable.destinations import registry as destinations
 from durable.dispatch import Dispatcher
 from durable.exceptions import DecisionForbidden, DecisionRefused
 from durable.models import (
@@ -27,28 +26,12 @@ from durable.models import (
     OutboxStatus,
     StepResult,
 )
-from durable.testing import Receiver
-from tests.testapp.approval_workflows import use_refunds_receiver, write_order
+from tests.testapp.approval_workflows import write_order
 
 pytestmark = pytest.mark.django_db
 
 
 # Fixtures and helpers ----------------------------------------------------------------------
-
-
-@pytest.fixture
-def receiver():
-    with Receiver() as remote:
-        use_refunds_receiver(remote.url)
-        yield remote
-    destinations.unregister("refunds")
-
-
-@pytest.fixture
-def order(tmp_path):
-    path = str(tmp_path / "order.json")
-    write_order(path, id="123", amount="42.00", currency="EUR")
-    return path
 
 
 @pytest.fixture
@@ -79,7 +62,7 @@ def viewer(django_user_model):
 
 
 @pytest.fixture
-def propose(order, receiver, run):
+def propose(order, refunds, run):
     """Submit a refund and run it until it waits for approval; return the open Approval."""
 
     def go(key="job-1", workflow="refund", **payload):
@@ -157,7 +140,7 @@ def test_the_hash_survives_a_round_trip_through_the_database(propose):
 # Requesting approval --------------------------------------------------------------------------
 
 
-def test_an_action_that_needs_approval_waits_for_a_person_and_sends_nothing(propose, receiver):
+def test_an_action_that_needs_approval_waits_for_a_person_and_sends_nothing(propose, refunds):
     approval = propose()
 
     assert state() == "awaiting_approval_refund"
@@ -173,7 +156,7 @@ def test_an_action_that_needs_approval_waits_for_a_person_and_sends_nothing(prop
     row = outbox()
     assert (row.status, row.next_attempt_at) == (OutboxStatus.PENDING, None)
     dispatch_all()
-    assert receiver.requests == 0
+    assert refunds.requests == 0
     assert state() == "awaiting_approval_refund"
 
 
@@ -201,7 +184,7 @@ def test_a_step_can_set_its_own_expiry(propose):
     assert datetime.timedelta(minutes=9) < lifetime <= datetime.timedelta(minutes=11)
 
 
-def test_a_predicate_asks_for_approval_only_when_it_holds(order, receiver, run, propose):
+def test_a_predicate_asks_for_approval_only_when_it_holds(order, refunds, run, propose):
     write_order(order, amount="420.00")
     big = propose("big", workflow="refund_above")
     assert big is not None and state("big") == "awaiting_approval_refund"
@@ -211,13 +194,13 @@ def test_a_predicate_asks_for_approval_only_when_it_holds(order, receiver, run, 
     assert small is None
     dispatch_all()
     assert state("small") == "refunded"
-    assert [a["body"]["amount"] for a in receiver.actions] == ["42.00"]
+    assert [a["body"]["amount"] for a in refunds.actions] == ["42.00"]
 
 
 # Decisions ---------------------------------------------------------------------------------------
 
 
-def test_approving_sends_the_approved_values_exactly_once(propose, approver, receiver):
+def test_approving_sends_the_approved_values_exactly_once(propose, approver, refunds):
     approval = propose()
 
     decided = approvals.approve(approval.pk, approval.proposal_hash, approver, "looks right")
@@ -228,10 +211,10 @@ def test_approving_sends_the_approved_values_exactly_once(propose, approver, rec
     dispatch_all()
 
     assert state() == "refunded"
-    assert [a["body"] for a in receiver.actions] == [approval.proposal["values"]]
-    assert receiver.actions[0]["key"] == outbox().idempotency_key
+    assert [a["body"] for a in refunds.actions] == [approval.proposal["values"]]
+    assert refunds.actions[0]["key"] == outbox().idempotency_key
     memo = StepResult.objects.get(job_id="job-1", step="refund")
-    assert memo.output["remote_id"] == receiver.actions[0]["id"]
+    assert memo.output["remote_id"] == refunds.actions[0]["id"]
     assert memo.cost == Decimal("0.01")  # the proposing run's cost, kept until confirmed
 
 
@@ -282,7 +265,7 @@ def test_a_decision_on_an_expired_proposal_is_refused_and_marks_it_expired(propo
 
 
 def test_expiry_is_judged_by_the_database_clock_not_the_web_servers(
-    propose, approver, receiver, monkeypatch
+    propose, approver, refunds, monkeypatch
 ):
     approval = propose()
     # This process's clock runs two days ahead (past the 24 h expiry); the database's
@@ -293,7 +276,7 @@ def test_expiry_is_judged_by_the_database_clock_not_the_web_servers(
     approvals.approve(approval.pk, approval.proposal_hash, approver)
     dispatch_all()
 
-    assert len(receiver.actions) == 1
+    assert len(refunds.actions) == 1
     assert state() == "refunded"
 
 
@@ -305,7 +288,7 @@ def test_a_rejection_needs_a_reason(propose, approver):
     assert Approval.objects.get(pk=approval.pk).status == ApprovalStatus.REQUESTED
 
 
-def test_a_rejection_cancels_the_job_and_withdraws_the_action(propose, approver, receiver):
+def test_a_rejection_cancels_the_job_and_withdraws_the_action(propose, approver, refunds):
     approval = propose()
 
     approvals.reject(approval.pk, approval.proposal_hash, approver, "customer already refunded")
@@ -316,7 +299,7 @@ def test_a_rejection_cancels_the_job_and_withdraws_the_action(propose, approver,
     assert row.status == OutboxStatus.CANCELLED
     assert "customer already refunded" in row.last_error
     assert Approval.objects.get(pk=approval.pk).note == "customer already refunded"
-    assert receiver.requests == 0
+    assert refunds.requests == 0
 
 
 def test_a_rejection_can_send_the_job_to_a_person_who_sends_it_back(propose, approver, run):
@@ -393,14 +376,14 @@ def test_an_expired_proposal_can_be_prepared_again_from_current_inputs(
 
 
 def test_a_changed_input_after_approval_sends_nothing_and_asks_again(
-    propose, approver, order, run, receiver
+    propose, approver, order, run, refunds
 ):
     first = propose()
     approvals.approve(first.pk, first.proposal_hash, approver)
     write_order(order, amount="50.00")  # the record changed after the approval
 
     dispatch_all()
-    assert receiver.requests == 0
+    assert refunds.requests == 0
     first.refresh_from_db()
     assert first.status == ApprovalStatus.SUPERSEDED
     assert "inputs changed" in first.note
@@ -412,11 +395,11 @@ def test_a_changed_input_after_approval_sends_nothing_and_asks_again(
     assert second.proposal_hash != first.proposal_hash
     approvals.approve(second.pk, second.proposal_hash, approver)
     dispatch_all()
-    assert [a["body"]["amount"] for a in receiver.actions] == ["50.00"]
+    assert [a["body"]["amount"] for a in refunds.actions] == ["50.00"]
     assert state() == "refunded"
 
 
-def test_a_new_input_version_alone_is_enough_to_ask_again(propose, approver, order, receiver, run):
+def test_a_new_input_version_alone_is_enough_to_ask_again(propose, approver, order, refunds, run):
     first = propose()
     approvals.approve(first.pk, first.proposal_hash, approver)
     write_order(order, note="customer called")  # same values, newer record
@@ -424,26 +407,26 @@ def test_a_new_input_version_alone_is_enough_to_ask_again(propose, approver, ord
     dispatch_all()
     run()
 
-    assert receiver.requests == 0
+    assert refunds.requests == 0
     second = Approval.objects.get(job_id="job-1", status=ApprovalStatus.REQUESTED)
     assert second.proposal["values"] == first.proposal["values"]
     assert second.input_version == "order 2"
 
 
-def test_an_expired_approval_sends_nothing_and_asks_again(propose, approver, receiver, run):
+def test_an_expired_approval_sends_nothing_and_asks_again(propose, approver, refunds, run):
     first = propose()
     approvals.approve(first.pk, first.proposal_hash, approver)
     Approval.objects.filter(pk=first.pk).update(expires_at=Now() - datetime.timedelta(seconds=1))
 
     dispatch_all()
-    assert receiver.requests == 0
+    assert refunds.requests == 0
     assert Approval.objects.get(pk=first.pk).status == ApprovalStatus.EXPIRED
     run()
     assert state() == "awaiting_approval_refund"
     assert Approval.objects.filter(job_id="job-1", status=ApprovalStatus.REQUESTED).count() == 1
 
 
-def test_values_revised_after_approval_are_not_sent(propose, approver, receiver):
+def test_values_revised_after_approval_are_not_sent(propose, approver, refunds):
     approval = propose()
     approvals.approve(approval.pk, approval.proposal_hash, approver)
     Outbox.objects.filter(job_id="job-1").update(
@@ -452,7 +435,7 @@ def test_values_revised_after_approval_are_not_sent(propose, approver, receiver)
 
     dispatch_all()
 
-    assert receiver.requests == 0
+    assert refunds.requests == 0
     approval.refresh_from_db()
     assert approval.status == ApprovalStatus.SUPERSEDED
     assert "differs from what was approved" in approval.note
@@ -460,28 +443,28 @@ def test_values_revised_after_approval_are_not_sent(propose, approver, receiver)
 
 
 def test_a_refused_permission_at_the_destination_is_a_confirmed_failure_not_retried(
-    propose, approver, receiver
+    propose, approver, refunds
 ):
     approval = propose()
-    receiver.behave("forbidden")
+    refunds.behave("forbidden")
     approvals.approve(approval.pk, approval.proposal_hash, approver)
 
     dispatch_all()
     dispatch_all()
 
-    assert receiver.requests == 1
-    assert receiver.actions == []
+    assert refunds.requests == 1
+    assert refunds.actions == []
     assert state() == "failed_refund"
     assert outbox().status == OutboxStatus.FAILED
     assert "403" in Job.objects.get(pk="job-1").last_error
 
 
 def test_an_approved_action_is_not_checked_again_while_it_is_reconciled(
-    propose, approver, order, receiver
+    propose, approver, order, refunds
 ):
     approval = propose()
     approvals.approve(approval.pk, approval.proposal_hash, approver)
-    receiver.behave("drop_after_acting", times=1)
+    refunds.behave("drop_after_acting", times=1)
     dispatch_all()
     assert outbox().status == OutboxStatus.UNKNOWN
     # The record changes while the outcome is unknown: the write may already have
@@ -492,14 +475,14 @@ def test_an_approved_action_is_not_checked_again_while_it_is_reconciled(
     dispatch_all()
 
     assert state() == "refunded"
-    assert len(receiver.actions) == 1
+    assert len(refunds.actions) == 1
     assert Approval.objects.get(pk=approval.pk).status == ApprovalStatus.APPROVED
 
 
 # Restart cases (guarantee 9), each from stored state alone ---------------------------------------
 
 
-def test_restart_with_a_draft_and_no_approval_requests_approval(order, receiver, run):
+def test_restart_with_a_draft_and_no_approval_requests_approval(order, refunds, run):
     # A worker died after the step ran, before its transaction committed: what is
     # stored is a job in the working state with a lease that has expired.
     services.submit("refund", "job-1", {"order_file": order})
@@ -514,11 +497,11 @@ def test_restart_with_a_draft_and_no_approval_requests_approval(order, receiver,
     assert state() == "awaiting_approval_refund"
     assert Approval.objects.filter(job_id="job-1", status=ApprovalStatus.REQUESTED).count() == 1
     assert outbox().next_attempt_at is None
-    assert receiver.requests == 0
+    assert refunds.requests == 0
 
 
 def test_restart_with_an_approval_not_yet_dispatched_checks_the_inputs_then_sends(
-    propose, approver, receiver
+    propose, approver, refunds
 ):
     approval = propose()
     approvals.approve(approval.pk, approval.proposal_hash, approver)
@@ -526,16 +509,16 @@ def test_restart_with_an_approval_not_yet_dispatched_checks_the_inputs_then_send
     # knows nothing else.
     dispatch_all()
 
-    assert len(receiver.actions) == 1
+    assert len(refunds.actions) == 1
     assert state() == "refunded"
 
 
 def test_restart_with_an_unknown_result_reconciles_before_any_new_write(
-    propose, approver, receiver, run
+    propose, approver, refunds, run
 ):
     approval = propose()
     approvals.approve(approval.pk, approval.proposal_hash, approver)
-    receiver.behave("drop_after_acting", times=1)
+    refunds.behave("drop_after_acting", times=1)
     dispatch_all()
     assert state() == "unknown_refund"
     Outbox.objects.filter(job_id="job-1").update(next_attempt_at=Now())
@@ -543,19 +526,19 @@ def test_restart_with_an_unknown_result_reconciles_before_any_new_write(
     run()
     dispatch_all()
 
-    assert len(receiver.actions) == 1
-    assert [e["path"].split("?")[0] for e in receiver.log] == ["/actions", "/actions/lookup"]
+    assert len(refunds.actions) == 1
+    assert [e["path"].split("?")[0] for e in refunds.log] == ["/actions", "/actions/lookup"]
     assert Approval.objects.filter(job_id="job-1").count() == 1
     assert state() == "refunded"
 
 
 def test_restart_with_a_confirmed_result_uses_it_and_never_repeats_the_action(
-    propose, approver, receiver, run
+    propose, approver, refunds, run
 ):
     approval = propose()
     approvals.approve(approval.pk, approval.proposal_hash, approver)
     dispatch_all()
-    remote_id = receiver.actions[0]["id"]
+    remote_id = refunds.actions[0]["id"]
     # Stored: the action succeeded; the job is sent back before the step and its memo
     # is gone, so the step runs again and proposes the same refund.
     StepResult.objects.filter(job_id="job-1", step="refund").delete()
@@ -565,12 +548,12 @@ def test_restart_with_a_confirmed_result_uses_it_and_never_repeats_the_action(
     dispatch_all()
 
     assert state() == "refunded"
-    assert len(receiver.actions) == 1
+    assert len(refunds.actions) == 1
     assert Approval.objects.filter(job_id="job-1").count() == 1
     assert StepResult.objects.get(job_id="job-1", step="refund").output["remote_id"] == remote_id
 
 
-def test_restart_after_the_decision_reuses_an_identical_approval(propose, approver, receiver, run):
+def test_restart_after_the_decision_reuses_an_identical_approval(propose, approver, refunds, run):
     approval = propose()
     approvals.approve(approval.pk, approval.proposal_hash, approver)
     # The job went back before the step although nothing was sent (the dispatcher's
@@ -582,7 +565,7 @@ def test_restart_after_the_decision_reuses_an_identical_approval(propose, approv
     dispatch_all()
 
     assert Approval.objects.filter(job_id="job-1").count() == 1
-    assert len(receiver.actions) == 1
+    assert len(refunds.actions) == 1
     assert state() == "refunded"
 
 
@@ -597,11 +580,11 @@ def test_cancelling_a_job_withdraws_its_open_proposal(propose, approver):
 
 
 def test_a_step_run_again_while_its_action_is_unknown_reconciles_instead_of_proposing(
-    propose, approver, receiver, run
+    propose, approver, refunds, run
 ):
     approval = propose()
     approvals.approve(approval.pk, approval.proposal_hash, approver)
-    receiver.behave("drop_after_acting", times=1)
+    refunds.behave("drop_after_acting", times=1)
     dispatch_all()
     assert outbox().status == OutboxStatus.UNKNOWN
     Job.objects.filter(pk="job-1").update(state="assessed", next_run_at=Now())
@@ -612,15 +595,15 @@ def test_a_step_run_again_while_its_action_is_unknown_reconciles_instead_of_prop
     dispatch_all()
 
     assert state() == "refunded"
-    assert len(receiver.actions) == 1
+    assert len(refunds.actions) == 1
 
 
 def test_a_different_proposal_while_the_earlier_send_is_unknown_fails_the_step(
-    propose, approver, receiver, order, run
+    propose, approver, refunds, order, run
 ):
     approval = propose()
     approvals.approve(approval.pk, approval.proposal_hash, approver)
-    receiver.behave("drop_after_acting", times=1)
+    refunds.behave("drop_after_acting", times=1)
     dispatch_all()
     Job.objects.filter(pk="job-1").update(state="assessed", next_run_at=Now())
     write_order(order, amount="43.00")
@@ -632,4 +615,4 @@ def test_a_different_proposal_while_the_earlier_send_is_unknown_fails_the_step(
     assert "settle it before the step may propose a different action" in job.last_error
     assert outbox().status == OutboxStatus.UNKNOWN
     assert Approval.objects.filter(job_id="job-1").count() == 1
-    assert len(receiver.actions) == 1
+    assert len(refunds.actions) == 1

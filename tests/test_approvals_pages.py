@@ -9,10 +9,8 @@ from django.test import Client
 from django.urls import reverse
 
 from durable import services
-from durable.destinations import registry as destinations
 from durable.models import Approval, ApprovalStatus, Job, Outbox
-from durable.testing import Receiver
-from tests.testapp.approval_workflows import use_refunds_receiver, write_order
+from tests.testapp.approval_workflows import write_order
 
 pytestmark = pytest.mark.django_db
 
@@ -20,22 +18,7 @@ QUEUE = "admin:durable_approvals"
 
 
 @pytest.fixture
-def receiver():
-    with Receiver() as remote:
-        use_refunds_receiver(remote.url)
-        yield remote
-    destinations.unregister("refunds")
-
-
-@pytest.fixture
-def order(tmp_path):
-    path = str(tmp_path / "order.json")
-    write_order(path, id="123", amount="42.00", currency="EUR", status="paid")
-    return path
-
-
-@pytest.fixture
-def propose(order, receiver, run_worker_inline):
+def propose(order, refunds, run_worker_inline):
     def go(key="job-1", workflow="refund"):
         services.submit(workflow, key, {"order_file": order}, submitted_by="alice")
         run_worker_inline()
@@ -243,12 +226,12 @@ def test_an_unknown_decision_is_refused(propose, approver_client):
 
 
 def test_a_refusal_at_the_destination_is_shown_to_the_operator_as_a_failure(
-    propose, receiver, approver_client, django_user_model
+    propose, refunds, approver_client, django_user_model
 ):
     from durable.dispatch import Dispatcher
 
     approval = propose()
-    receiver.behave("forbidden")
+    refunds.behave("forbidden")
     approver_client.post(page_url(approval), {
         "decision": "approve", "proposal_hash": approval.proposal_hash,
     })
@@ -264,7 +247,7 @@ def test_a_refusal_at_the_destination_is_shown_to_the_operator_as_a_failure(
     assert "HTTP 403" in job_page.content.decode()
     proposal_page = approver_client.get(page_url(approval)).content.decode()
     assert "now failed_refund" in proposal_page
-    assert receiver.requests == 1
+    assert refunds.requests == 1
 
 
 def test_the_approval_pages_are_console_pages_with_its_tabs_and_banners(propose, approver_client):

@@ -1,5 +1,5 @@
 """Approvals with real runworkers processes: a crash while proposing, and inputs that
-changed while the workers were down. The receiver on 127.0.0.1 counts what was applied."""
+changed while the workers were down. The refunds on 127.0.0.1 counts what was applied."""
 
 import collections
 import time
@@ -9,28 +9,11 @@ import pytest
 from django.contrib.auth.models import Permission
 
 from durable import approvals, services
-from durable.destinations import registry as destinations
 from durable.models import Approval, ApprovalStatus, EventKind, Job, JobEvent, Outbox
-from durable.testing import Receiver
 from tests.conftest import wait_for
-from tests.testapp.approval_workflows import REFUNDS_URL_ENV, use_refunds_receiver, write_order
+from tests.testapp.approval_workflows import REFUNDS_URL_ENV, write_order
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture
-def receiver():
-    with Receiver() as remote:
-        use_refunds_receiver(remote.url)
-        yield remote
-    destinations.unregister("refunds")
-
-
-@pytest.fixture
-def order(tmp_path):
-    path = str(tmp_path / "order.json")
-    write_order(path, id="123", amount="42.00", currency="EUR")
-    return path
 
 
 @pytest.fixture
@@ -56,14 +39,14 @@ def requested(key="job-1"):
 
 @pytest.mark.crash
 def test_a_worker_killed_before_its_proposal_commits_proposes_once_after_the_restart(
-    workers, receiver, order, tmp_path
+    workers, refunds, order, tmp_path
 ):
     log = tmp_path / "exec.log"
     services.submit("refund", "job-1", {"order_file": order, "log": str(log)})
     # The second step body to finish in a worker process (the refund, after the
     # assessment) kills it before its transaction commits: the draft is lost with it.
     proc = workers.start(DURABLE_LEASE_SECONDS=4, DURABLE_FAULT_POINT="after_step_before_commit@2",
-                         **{REFUNDS_URL_ENV: receiver.url})
+                         **{REFUNDS_URL_ENV: refunds.url})
     try:
         # The supervisor replaces the dead worker; once the lease expires the
         # replacement runs the step again and requests approval, exactly once.
@@ -77,11 +60,11 @@ def test_a_worker_killed_before_its_proposal_commits_proposes_once_after_the_res
     assert Approval.objects.filter(job_id="job-1").count() == 1
     assert Outbox.objects.get(job_id="job-1").next_attempt_at is None
     assert JobEvent.objects.filter(job_id="job-1", kind=EventKind.RECLAIMED).exists()
-    assert receiver.requests == 0
+    assert refunds.requests == 0
 
 
 def test_inputs_changed_while_workers_were_down_are_reviewed_again_not_sent(
-    workers, receiver, order, approver, run_worker_inline
+    workers, refunds, order, approver, run_worker_inline
 ):
     services.submit("refund", "job-1", {"order_file": order})
     run_worker_inline()
@@ -90,10 +73,10 @@ def test_inputs_changed_while_workers_were_down_are_reviewed_again_not_sent(
     # Stored: approved, not dispatched. Then the order changes before any dispatcher runs.
     write_order(order, amount="30.00")
 
-    proc = workers.start(**{REFUNDS_URL_ENV: receiver.url})
+    proc = workers.start(**{REFUNDS_URL_ENV: refunds.url})
     try:
         second = wait_for(requested, timeout=30, message="a new proposal from current inputs")
-        assert receiver.requests == 0
+        assert refunds.requests == 0
         assert Approval.objects.get(pk=first.pk).status == ApprovalStatus.SUPERSEDED
         assert second.proposal["values"]["amount"] == "30.00"
 
@@ -102,10 +85,10 @@ def test_inputs_changed_while_workers_were_down_are_reviewed_again_not_sent(
     finally:
         workers.terminate(proc)
 
-    assert [a["body"]["amount"] for a in receiver.actions] == ["30.00"]
+    assert [a["body"]["amount"] for a in refunds.actions] == ["30.00"]
 
 
-def test_two_people_approving_at_once_make_one_decision(receiver, order, run_worker_inline,
+def test_two_people_approving_at_once_make_one_decision(refunds, order, run_worker_inline,
                                                         django_user_model):
     import threading
 

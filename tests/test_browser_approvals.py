@@ -2,7 +2,7 @@
 
 Chromium (headless, the system's) drives the admin on pytest-django's live server;
 ``runworkers`` runs as a subprocess on the same test database and sends to a real
-receiver on 127.0.0.1. A view-only user sees no buttons, and a POST forged in the
+refunds on 127.0.0.1. A view-only user sees no buttons, and a POST forged in the
 page is refused with a message.
 """
 
@@ -12,11 +12,9 @@ import pytest
 from django.contrib.auth.models import Permission
 
 from durable import services
-from durable.destinations import registry as destinations
 from durable.models import Approval, ApprovalStatus, Job
-from durable.testing import Receiver
 from tests.conftest import wait_for
-from tests.testapp.approval_workflows import REFUNDS_URL_ENV, use_refunds_receiver, write_order
+from tests.testapp.approval_workflows import REFUNDS_URL_ENV, write_order
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
@@ -24,15 +22,7 @@ SUMMARY = "Refund EUR 42.00 to order #123"
 
 
 @pytest.fixture
-def receiver():
-    with Receiver() as remote:
-        use_refunds_receiver(remote.url)
-        yield remote
-    destinations.unregister("refunds")
-
-
-@pytest.fixture
-def proposal(tmp_path, receiver, run_worker_inline):
+def proposal(tmp_path, refunds, run_worker_inline):
     """A refund job waiting for approval, prepared by an in-process worker."""
     path = str(tmp_path / "order.json")
     write_order(path, id="123", amount="42.00", currency="EUR")
@@ -57,7 +47,7 @@ def log_in(page, live_server, username):
 
 
 def test_staff_with_the_permission_approve_in_the_browser_and_runworkers_sends_once(
-    page, live_server, django_user_model, proposal, receiver, workers
+    page, live_server, django_user_model, proposal, refunds, workers
 ):
     make_staff(django_user_model, "ada", "view_approval", "approve_proposal")
     log_in(page, live_server, "ada")
@@ -79,7 +69,7 @@ def test_staff_with_the_permission_approve_in_the_browser_and_runworkers_sends_o
     assert "Approved" in page.locator(".messagelist").inner_text()
     assert Approval.objects.get(pk=proposal.pk).status == ApprovalStatus.APPROVED
 
-    proc = workers.start(env={REFUNDS_URL_ENV: receiver.url})
+    proc = workers.start(env={REFUNDS_URL_ENV: refunds.url})
     try:
         wait_for(lambda: Job.objects.get(pk="order-123").state == "refunded", timeout=30,
                  message="the approved refund to be dispatched")
@@ -87,8 +77,8 @@ def test_staff_with_the_permission_approve_in_the_browser_and_runworkers_sends_o
     finally:
         workers.terminate(proc)
 
-    assert [a["body"] for a in receiver.actions] == [proposal.proposal["values"]]
-    assert receiver.requests == 1
+    assert [a["body"] for a in refunds.actions] == [proposal.proposal["values"]]
+    assert refunds.requests == 1
 
 
 def test_view_only_staff_see_no_buttons_and_a_forged_post_is_refused(

@@ -12,11 +12,9 @@ from django.db import transaction
 from django.db.models.functions import Now
 
 from durable import locking, services
-from durable.destinations import registry as destinations
 from durable.models import Approval, ApprovalStatus
-from durable.testing import Receiver
 from tests.test_console_support import OPERATE, make_action, make_job, make_memo, make_user
-from tests.testapp.approval_workflows import use_refunds_receiver, write_order
+from tests.testapp.approval_workflows import write_order
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
@@ -25,15 +23,7 @@ DESKTOP = {"width": 1440, "height": 900}
 
 
 @pytest.fixture
-def receiver():
-    with Receiver() as remote:
-        use_refunds_receiver(remote.url)
-        yield remote
-    destinations.unregister("refunds")
-
-
-@pytest.fixture
-def proposal(tmp_path, receiver, run_worker_inline):
+def proposal(tmp_path, refunds, run_worker_inline):
     path = str(tmp_path / "order.json")
     write_order(path, id="123", amount="42.00", currency="EUR")
     services.submit("refund", "order-123", {"order_file": path}, submitted_by="alice")

@@ -3,7 +3,7 @@
 Every test drives the pages through Django's test client (or the services a page
 calls) and checks what a person would read or be able to do next. The approval
 scenarios run real workers and the real dispatcher in this process against a
-receiver on 127.0.0.1.
+refunds on 127.0.0.1.
 """
 
 import datetime
@@ -19,14 +19,12 @@ from django.urls import reverse
 
 import durable
 from durable import approvals, reconcile, services
-from durable.destinations import registry as destinations
 from durable.dispatch import Dispatcher
 from durable.models import Approval, ApprovalStatus, Job, OutboxStatus
-from durable.testing import Receiver
 from tests.conftest import ROOT
 from tests.test_actions_support import action, in_state
 from tests.test_console_support import OPERATE, make_job, make_memo, make_user
-from tests.testapp.approval_workflows import use_refunds_receiver, write_order
+from tests.testapp.approval_workflows import write_order
 
 pytest_plugins = ["tests.test_actions_support"]
 pytestmark = pytest.mark.django_db
@@ -43,21 +41,6 @@ def dispatch_all():
     dispatcher = Dispatcher(name="test-dispatcher", burst=True, threads=1)
     while dispatcher.run_once():
         pass
-
-
-@pytest.fixture
-def refunds():
-    with Receiver() as remote:
-        use_refunds_receiver(remote.url)
-        yield remote
-    destinations.unregister("refunds")
-
-
-@pytest.fixture
-def order(tmp_path):
-    path = str(tmp_path / "order.json")
-    write_order(path, id="123", amount="42.00", currency="EUR", status="paid")
-    return path
 
 
 @pytest.fixture
@@ -254,8 +237,8 @@ def test_4_a_get_on_a_post_only_url_explains_and_links_back(operator, url):
 
 
 def test_5_a_lost_reply_reads_in_the_order_it_happened(receivers, drive, operator):
-    receiver = receivers(read_timeout=0.3)
-    receiver.behave("drop_after_acting", times=1)
+    refunds = receivers(read_timeout=0.3)
+    refunds.behave("drop_after_acting", times=1)
     durable.submit("ticket", "t1", {})
     drive(in_state("t1", "confirm_done"))
 
@@ -386,8 +369,8 @@ def test_8_the_readme_documents_the_current_record_hook():
 
 @pytest.fixture
 def unknown_action(receivers, drive):
-    receiver = receivers(read_timeout=0.3)
-    receiver.behave("hang_before_acting", times=100, delay=0.5)
+    refunds = receivers(read_timeout=0.3)
+    refunds.behave("hang_before_acting", times=100, delay=0.5)
     from django.conf import settings
 
     with override_settings(DURABLE={**settings.DURABLE, "LOOKUP_ATTEMPTS": 2}):
