@@ -260,15 +260,15 @@ def bulk_finished(start, stop):
 def explain_claim():
     from django.db import connection, transaction
 
-    from durable import locking
+    from durable import locking, sql
 
     with transaction.atomic():
         with connection.cursor() as cur:
             if connection.vendor == "postgresql":
-                sql, params = locking._pg_claim("bench-explain", 60.0, None, None, None)
-                cur.execute("EXPLAIN (ANALYZE, BUFFERS) " + sql, params)
+                statement, params = locking._pg_claim("bench-explain", 60.0, None, None, None)
+                cur.execute("EXPLAIN (ANALYZE, BUFFERS) " + statement, params)
             else:
-                cur.execute("EXPLAIN QUERY PLAN " + locking._SQLITE_PICK.format(filters=""))
+                cur.execute("EXPLAIN QUERY PLAN " + sql.SQLITE_PICK_JOB.format(filters=""))
             plan = "\n".join(" ".join(str(c) for c in row) for row in cur.fetchall())
         # EXPLAIN ANALYZE really ran the UPDATE: leave the table as it was.
         transaction.set_rollback(True)

@@ -19,7 +19,7 @@ MARKERS = [
     ("  claim and start (claim_job / _sqlite_claim / _pg_claim)",
      r"(claim_job|_sqlite_claim|_pg_claimed) \(durable/locking\.py"),
     ("  driver execute (sqlite3 / psycopg, incl. server round trip)",
-     r"(sqlite_execute|pg_execute) \(durable/locking\.py"),
+     r"(sqlite_execute|pg_execute) \(durable/(locking|sql)\.py"),
     ("  transaction.atomic (the chained last step on PostgreSQL, rare paths)",
      r"(__exit__|__enter__) \(django/db/transaction\.py"),
     ("  the step's own code (workflow.run_step)", r"run_step \(durable/workflows\.py"),

@@ -167,120 +167,11 @@ def _memo(row, *, how, data=None):
     }
 
 
-# Claiming outbox rows (raw SQL, database clock only) ------------------------------------
-
-_COLUMNS = ("id", "job_id", "kind", "destination", "operation", "payload", "idempotency_key",
-            "status", "attempts", "lookups", "lease_token", "version", "last_error")
-
-# PostgreSQL: FOR UPDATE SKIP LOCKED lets several dispatchers claim different rows at
-# once without queueing on each other. A row is due when next_attempt_at has passed;
-# the claim pushes next_attempt_at to the lease's end, so a dispatcher that dies
-# leaves the row due again exactly when its lease expires (no separate reaper).
-_PG_CLAIM = """
-WITH candidate AS (
-    SELECT o.id, o.lease_owner AS previous_owner
-    FROM durable_outbox o
-    WHERE o.next_attempt_at <= statement_timestamp()
-      AND NOT EXISTS (
-          SELECT 1 FROM durable_job j JOIN durable_pause p ON p.workflow = j.workflow
-          WHERE j.id = o.job_id)
-    ORDER BY o.next_attempt_at
-    LIMIT %(limit)s
-    FOR UPDATE OF o SKIP LOCKED
-)
-UPDATE durable_outbox AS o
-SET lease_owner = %(owner)s,
-    lease_token = o.lease_token + 1,
-    lease_until = statement_timestamp() + %(lease)s * interval '1 second',
-    next_attempt_at = statement_timestamp() + %(lease)s * interval '1 second',
-    updated = statement_timestamp()
-FROM candidate
-WHERE o.id = candidate.id
-RETURNING o.id, o.job_id, o.kind, o.destination, o.operation, o.payload::text,
-          o.idempotency_key, o.status, o.attempts, o.lookups, o.lease_token, o.version,
-          o.last_error, candidate.previous_owner
-"""
-
-_SQLITE_NOW = "strftime('%Y-%m-%d %H:%M:%f', 'now')"
-
-# Parameters are bound with %s, so literal percent signs are doubled.
-_SQLITE_PICK = f"""
-SELECT o.id, o.lease_owner FROM durable_outbox o
-WHERE o.next_attempt_at <= {_SQLITE_NOW.replace('%', '%%')}
-  AND NOT EXISTS (
-      SELECT 1 FROM durable_job j JOIN durable_pause p ON p.workflow = j.workflow
-      WHERE j.id = o.job_id)
-ORDER BY o.next_attempt_at
-LIMIT %s
-"""
-
-_SQLITE_TAKE = """
-UPDATE durable_outbox
-SET lease_owner = %s,
-    lease_token = lease_token + 1,
-    lease_until = strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now', %s),
-    next_attempt_at = strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now', %s),
-    updated = strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now')
-WHERE id IN ({ids})
-RETURNING id, job_id, kind, destination, operation, payload, idempotency_key, status,
-          attempts, lookups, lease_token, version, last_error
-"""
-
-
-class ClaimedAction:
-    """An outbox row as the claim returned it, plus the lease this dispatcher holds."""
-
-    def __init__(self, values, previous_owner):
-        for name, value in zip(_COLUMNS, values, strict=True):
-            setattr(self, name, value)
-        if isinstance(self.payload, str):
-            self.payload = json.loads(self.payload)
-        self.previous_owner = previous_owner
-
-    @property
-    def pk(self):
-        return self.id
-
-    def request(self):
-        return Request(destination=self.destination, operation=self.operation,
-                       values=self.payload, idempotency_key=self.idempotency_key,
-                       job_id=self.job_id, kind=self.kind, attempt=self.attempts)
-
-
-def claim_pg(owner, lease_seconds, limit):
-    """PostgreSQL: claim up to ``limit`` due rows with FOR UPDATE SKIP LOCKED."""
-    with connection.cursor() as cursor:
-        cursor.execute(_PG_CLAIM, {"owner": owner, "lease": float(lease_seconds),
-                                   "limit": int(limit)})
-        return [ClaimedAction(row[:-1], row[-1]) for row in cursor.fetchall()]
-
-
-def claim_sqlite(owner, lease_seconds, limit):
-    """SQLite: select then update in one IMMEDIATE transaction (it holds the write lock)."""
-    with connection.cursor() as cursor:
-        cursor.execute(_SQLITE_PICK, [int(limit)])
-        picked = dict(cursor.fetchall())
-        if not picked:
-            return []
-        modifier = f"+{float(lease_seconds)} seconds"
-        sql = _SQLITE_TAKE.format(ids=", ".join("%s" for _ in picked))
-        cursor.execute(sql, [owner, modifier, modifier, *picked])
-        rows = [ClaimedAction(row, picked.get(row[0])) for row in cursor.fetchall()]
-    return sorted(rows, key=lambda r: list(picked).index(r.id))
-
-
-def claim_actions(owner, lease_seconds, limit):
-    """Take the lease of up to ``limit`` due outbox rows, in one short transaction."""
-    with transaction.atomic():
-        if locking.is_postgres():
-            return claim_pg(owner, lease_seconds, limit)
-        return claim_sqlite(owner, lease_seconds, limit)
-
-
-def next_due():
-    """When the earliest outbox row becomes due (served by the partial index), or None."""
-    return (Outbox.objects.filter(next_attempt_at__isnull=False).order_by("next_attempt_at")
-            .values_list("next_attempt_at", flat=True).first())
+def _request(row):
+    """What the destination is asked to do for a claimed row."""
+    return Request(destination=row.destination, operation=row.operation, values=row.payload,
+                   idempotency_key=row.idempotency_key, job_id=row.job_id, kind=row.kind,
+                   attempt=row.attempts)
 
 
 # The dispatcher ---------------------------------------------------------------------------
@@ -392,7 +283,7 @@ class Dispatcher(Drains):
 
     def run_once(self):
         """Claim one batch of due rows and settle each; return how many were claimed."""
-        rows = claim_actions(self.name, self.lease_seconds, self.batch_size)
+        rows = locking.claim_actions(self.name, self.lease_seconds, self.batch_size)
         if not rows:
             return 0
         if self.threads <= 1 or len(rows) == 1:
@@ -434,11 +325,7 @@ class Dispatcher(Drains):
     def _release(self, rows):
         """Give back rows claimed but not started (a drain between rows)."""
         for row in rows:
-            self._row(row).update(lease_until=None, lease_owner=None, next_attempt_at=Now())
-
-    def _row(self, row):
-        """The row, fenced by this dispatcher's lease token."""
-        return Outbox.objects.filter(pk=row.id, lease_token=row.lease_token)
+            locking.release_action(row)
 
     # One row ---------------------------------------------------------------------------
 
@@ -458,7 +345,7 @@ class Dispatcher(Drains):
         elif row.status == OutboxStatus.UNKNOWN:
             self._reconcile(ctx)
         else:
-            self._row(row).update(next_attempt_at=None, lease_until=None, lease_owner=None)
+            locking.park_action(row)
 
     def _context(self, row):
         job = Job.objects.filter(pk=row.job_id).first()
@@ -469,8 +356,7 @@ class Dispatcher(Drains):
             st, states = step_of_row(row, workflow)
         except (UnknownWorkflow, KeyError) as exc:
             why = f"cannot dispatch: {exc}; redeploy the workflow, then look it up again"
-            self._row(row).update(next_attempt_at=None, lease_until=None, lease_owner=None,
-                                  last_error=scrub(why), version=F("version") + 1)
+            locking.park_action(row, last_error=scrub(why), version=F("version") + 1)
             logger.error("%s action=%s %s", self.name, row.id, why)
             return None
         try:
@@ -511,11 +397,11 @@ class Dispatcher(Drains):
             # A fresh lease for the send, long enough to outlast the destination's own
             # timeouts: a send still in flight must never look abandoned to another
             # dispatcher (it would reconcile, perhaps resend, while this one waits).
-            until = locking.now_plus(self._send_lease(ctx.destination))
-            fields = {"status": OutboxStatus.ATTEMPTED, "attempts": F("attempts") + 1,
-                      "sent_at": Now(), "version": F("version") + 1, "updated": Now(),
-                      "lease_until": until, "next_attempt_at": until}
-            if not self._row(row).filter(status=previous).update(**fields):
+            if not locking.extend_action_lease(
+                row, self._send_lease(ctx.destination), only_if=previous,
+                status=OutboxStatus.ATTEMPTED, attempts=F("attempts") + 1, sent_at=Now(),
+                version=F("version") + 1, updated=Now(),
+            ):
                 return  # lease lost, or an operator settled it meanwhile
             row.attempts += 1
             row.version += 1
@@ -524,7 +410,7 @@ class Dispatcher(Drains):
                              f" {row.destination}", data={"phase": "attempted"})
         faults.point("after_mark_attempted")
         try:
-            outcome = ctx.destination.dispatch(row.request())
+            outcome = ctx.destination.dispatch(_request(row))
             if not isinstance(outcome, Outcome):
                 raise TypeError(f"{type(ctx.destination).__name__}.dispatch returned"
                                 f" {type(outcome).__name__}, not an Outcome")
@@ -555,13 +441,13 @@ class Dispatcher(Drains):
         row, job = ctx.row, ctx.job
         withdrawn = 0
         if job.state == CANCELLED or ctx.table.is_terminal(job.state):
-            withdrawn = self._row(row).filter(status=OutboxStatus.PENDING).update(
-                status=OutboxStatus.CANCELLED, next_attempt_at=None, lease_until=None,
-                lease_owner=None, last_error=f"not sent: the job is {job.state}",
-                version=F("version") + 1, updated=Now())
+            withdrawn = locking.park_action(
+                row, only_if=OutboxStatus.PENDING, status=OutboxStatus.CANCELLED,
+                last_error=f"not sent: the job is {job.state}", version=F("version") + 1,
+                updated=Now())
         if not withdrawn:
             # Not ours to send now (an unknown one stays unknown, for people to see).
-            self._row(row).update(next_attempt_at=None, lease_until=None, lease_owner=None)
+            locking.park_action(row)
         logger.info("%s action=%s job=%s is %s: not sent", self.name, row.id, job.pk, job.state)
 
     def _record(self, ctx, outcome, previous):
@@ -586,10 +472,9 @@ class Dispatcher(Drains):
         remote_id = str(remote_id or "")[:255]
         finished = None
         with transaction.atomic():
-            if not self._row(row).update(
-                status=OutboxStatus.SUCCEEDED, remote_id=remote_id, response_summary=summary,
-                last_error="", next_attempt_at=None, lease_until=None, lease_owner=None,
-                version=F("version") + 1, updated=Now(),
+            if not locking.park_action(
+                row, status=OutboxStatus.SUCCEEDED, remote_id=remote_id, response_summary=summary,
+                last_error="", version=F("version") + 1, updated=Now(),
             ):
                 self._lost(ctx)
                 return
@@ -613,9 +498,9 @@ class Dispatcher(Drains):
         row = ctx.row
         error = ctx.destination.redact(error)
         with transaction.atomic():
-            if not self._row(row).update(
-                status=OutboxStatus.FAILED, last_error=error, next_attempt_at=None,
-                lease_until=None, lease_owner=None, version=F("version") + 1, updated=Now(),
+            if not locking.park_action(
+                row, status=OutboxStatus.FAILED, last_error=error, version=F("version") + 1,
+                updated=Now(),
             ):
                 self._lost(ctx)
                 return
@@ -642,9 +527,9 @@ class Dispatcher(Drains):
             # Back to what it was: pending (never sent), or unknown (an earlier attempt
             # may have happened; this resend did not).
             status = OutboxStatus.PENDING if previous == OutboxStatus.PENDING else OutboxStatus.UNKNOWN
-            if not self._row(row).update(
-                status=status, last_error=error, next_attempt_at=locking.now_plus(delay),
-                lease_until=None, lease_owner=None, version=F("version") + 1, updated=Now(),
+            if not locking.release_action(
+                row, after=delay, status=status, last_error=error, version=F("version") + 1,
+                updated=Now(),
             ):
                 self._lost(ctx)
                 return
@@ -680,11 +565,10 @@ class Dispatcher(Drains):
         if soon and delay is not None:
             delay = 0.0
         with transaction.atomic():
-            if not self._row(row).update(
-                status=OutboxStatus.UNKNOWN, last_error=error,
+            if not locking.release_action(
+                row, after=delay, status=OutboxStatus.UNKNOWN, last_error=error,
                 response_summary=ctx.destination.redact(summary)[:2000],
-                next_attempt_at=None if delay is None else locking.now_plus(delay),
-                lease_until=None, lease_owner=None, version=F("version") + 1, updated=Now(),
+                version=F("version") + 1, updated=Now(),
             ):
                 self._lost(ctx)
                 return
@@ -710,9 +594,8 @@ class Dispatcher(Drains):
         """Leave the row for an operator, with the reason."""
         row = ctx.row
         with transaction.atomic():
-            if self._row(row).update(next_attempt_at=None, lease_until=None, lease_owner=None,
-                                     last_error=scrub(why), version=F("version") + 1,
-                                     updated=Now()):
+            if locking.park_action(row, last_error=scrub(why), version=F("version") + 1,
+                                   updated=Now()):
                 self._event(ctx, why, data={"phase": "parked"})
         logger.error("%s action=%s parked: %s", self.name, row.id, why)
 
@@ -729,7 +612,7 @@ class Dispatcher(Drains):
             Outbox.objects.filter(pk=row.id, lease_token=row.lease_token).update(
                 lookups=F("lookups") + 1)
             try:
-                found = dest.lookup(row.request())
+                found = dest.lookup(_request(row))
             except Exception as exc:  # noqa: BLE001 - a broken lookup cannot tell
                 found = destinations.LookupResult.cannot_tell(
                     dest.redact(f"lookup raised {type(exc).__name__}: {exc}"))
@@ -846,11 +729,11 @@ class OutboxWaiter(Waiter):
     channel = OUTBOX_CHANNEL
 
     def seconds_until_due(self):
-        due = next_due()
+        due = locking.next_due()
         return None if due is None else (due - locking.db_now()).total_seconds()
 
 
-__all__ = ["Dispatcher", "OutboxWaiter", "claim_actions", "enqueue_action"]
+__all__ = ["Dispatcher", "OutboxWaiter", "enqueue_action"]
 
 # Allow DURABLE["DESTINATIONS"] entries to name "durable.dispatch.HttpDestination".
 HttpDestination = destinations.HttpDestination

@@ -32,8 +32,6 @@ from .exceptions import JobFinished, LeaseLost, PayloadInvalid, SignalConflict, 
 from .models import EventKind, Job, JobEvent, Signal, Wait, WaitKind
 from .workflows import TIMED_OUT
 
-JOBS_CHANNEL = "durable_jobs"
-
 
 def _text(value, what, limit):
     if not isinstance(value, str) or not value or len(value) > limit:
@@ -116,7 +114,7 @@ def wake(job_id, key, workflow):
     """Compare-and-swap a job parked on the wait ``key`` to due now; True if this call did it."""
     woke = bool(Job.objects.filter(pk=job_id, awaiting=key).update(next_run_at=Now(), awaiting=""))
     if woke:
-        locking.notify(JOBS_CHANNEL, workflow)
+        locking.notify(locking.JOBS_CHANNEL, workflow)
     return woke
 
 

@@ -1,27 +1,34 @@
-"""Every row lock, lease and raw SQL statement of the engine lives here.
+"""The store's claims, leases, fences and state moves, each under a name.
 
-All times that decide ownership (lease expiry, due times) come from the database
-clock, never from a worker's clock: a worker whose clock runs ahead cannot steal a
-live lease. Every write made under a lease is fenced by the lease token the claim
-handed out, so a worker that lost its lease commits nothing.
+Every raw SQL statement of the engine runs here (its text is in ``durable.sql``). A
+job's lease is taken, renewed, fenced and ended only here (``claim_job``,
+``renew_lease``, ``complete_step``, ``commit_memo``, ``park_job``, or ``transition()``'s
+``fields``); so is the dispatcher's lease on an outbox row (``claim_actions``,
+``extend_action_lease``, ``release_action``, ``park_action``). ``Job.state`` is written
+only here, by ``insert_job``, ``claim_job``, ``complete_step`` and ``transition()``: the
+claim's targets come from ``Starts``, built from the transition tables, and every other
+path is checked by ``check_path``. Operator verbs lock the one row they decide on with
+the ORM's ``select_for_update()``; the console's reports read with queries of their own.
+
+Times that decide ownership (lease expiry, due times) come from the database clock,
+never a worker's: a worker whose clock runs ahead cannot steal a live lease. Every
+write made under a lease is fenced by the token its claim handed out, so a worker that
+lost its lease commits nothing.
 """
 
+import dataclasses
 import datetime
 import json
+from decimal import Decimal
 
-from django.db import DEFAULT_DB_ALIAS, connection, connections, transaction
+from django.db import connection, transaction
 from django.db.models.functions import Now
-from django.utils.dateparse import parse_datetime
 
-from .conf import durable_settings
+from . import sql
 from .exceptions import IllegalTransition
-from .models import EventKind, Job, JobEvent
+from .models import EventKind, Job, JobEvent, Outbox
+from .sql import JOBS_CHANNEL, OUTBOX_CHANNEL, database, pg_execute, sqlite_datetime, sqlite_execute, sqlite_transaction
 from .states import RESUMING_KINDS, SETTLED_KINDS, StateKind
-
-# The NOTIFY channels on PostgreSQL: idle workers listen on the first (its payload is the
-# workflow), idle dispatchers on the second (its payload is the job id).
-JOBS_CHANNEL = "durable_jobs"
-OUTBOX_CHANNEL = "durable_outbox"
 
 
 def is_postgres(conn=None):
@@ -37,23 +44,22 @@ def now_plus(seconds):
     return Now() + _seconds(seconds)
 
 
+def sqlite_delta(seconds):
+    """The modifier ``sql.SQLITE_NOW_PLUS`` takes for ``now + seconds``."""
+    return f"+{float(seconds)} seconds"
+
+
 def db_now():
     """The database's current time as an aware datetime."""
     with connection.cursor() as cursor:
         if is_postgres():
-            cursor.execute("SELECT statement_timestamp()")
+            cursor.execute(sql.PG_NOW)
             return cursor.fetchone()[0]
-        cursor.execute("SELECT strftime('%Y-%m-%d %H:%M:%f', 'now')")
-        return _sqlite_dt(cursor.fetchone()[0])
+        cursor.execute(sql.SQLITE_NOW_SELECT)
+        return sqlite_datetime(cursor.fetchone()[0])
 
 
-def _sqlite_dt(value):
-    """A datetime from SQLite (stored in UTC without an offset) as an aware datetime."""
-    if value is None:
-        return None
-    if not isinstance(value, datetime.datetime):
-        value = parse_datetime(value)
-    return value.replace(tzinfo=datetime.UTC) if value.tzinfo is None else value
+# Jobs: claiming --------------------------------------------------------------------------
 
 
 class Claimed:
@@ -73,73 +79,6 @@ class Claimed:
     @property
     def pk(self):
         return self.id
-
-
-# The worker's hot statements run on the driver's own cursor: no ORM, no query
-# rewriting, and on PostgreSQL prepared once per connection (server-side binding).
-# Errors still surface as Django's database exceptions.
-
-
-def _db():
-    """The default database's wrapper, looked up once per hot call (the proxy costs each time)."""
-    db = connections[DEFAULT_DB_ALIAS]
-    if db.connection is None:
-        db.ensure_connection()
-    return db
-
-
-def _pg_raw(db):
-    """Django's psycopg connection, set so that ``prepare=True`` prepares.
-
-    Django opens it with ``prepare_threshold=None`` (nothing is ever prepared, not even
-    on request). A threshold no query reaches keeps every other statement unprepared
-    while the hot statements, which ask for it, are prepared once per connection.
-    """
-    raw = db.connection
-    if raw.prepare_threshold is None and durable_settings.PREPARED_STATEMENTS:
-        raw.prepare_threshold = 1 << 30
-    return raw
-
-
-def pg_execute(sql, params, db=None):
-    """Execute one hot statement on PostgreSQL; returns the cursor, its rows unread."""
-    import psycopg
-
-    db = db or _db()
-    raw = _pg_raw(db)
-    with db.wrap_database_errors:
-        cursor = psycopg.Cursor(raw)
-        cursor.execute(sql, params, prepare=durable_settings.PREPARED_STATEMENTS)
-    return cursor
-
-
-def sqlite_execute(sql, params=(), db=None):
-    """Execute one hot statement on SQLite's own connection (qmark parameters)."""
-    db = db or _db()
-    with db.wrap_database_errors:
-        return db.connection.execute(sql, params)
-
-
-def sqlite_transaction(write, db=None):
-    """Run ``write(db)`` in the caller's transaction, or in one IMMEDIATE transaction of its own.
-
-    Cheaper than ``transaction.atomic()`` for the three statements of a step commit,
-    and the same thing: one write lock, one commit, rolled back on any error.
-    """
-    db = db or _db()
-    if db.in_atomic_block or not db.get_autocommit():
-        return write(db)
-    raw = db.connection
-    with db.wrap_database_errors:
-        raw.execute("BEGIN IMMEDIATE")
-        try:
-            result = write(db)
-            raw.execute("COMMIT")
-        except BaseException:
-            if raw.in_transaction:
-                raw.execute("ROLLBACK")
-            raise
-    return result
 
 
 class Starts:
@@ -170,86 +109,17 @@ class Starts:
         }
 
 
-_PG_CLAIM = """
-WITH candidate AS (
-    SELECT id, lease_owner AS previous_owner, workflow, state
-    FROM durable_job
-    WHERE next_run_at <= statement_timestamp() {filters}
-      AND NOT EXISTS (SELECT 1 FROM durable_pause p WHERE p.workflow = durable_job.workflow)
-    ORDER BY next_run_at
-    LIMIT 1
-    FOR UPDATE SKIP LOCKED
-), taken AS (
-    UPDATE durable_job AS j
-    SET lease_owner = %(owner)s,
-        lease_token = j.lease_token + 1,
-        lease_until = statement_timestamp() + %(lease)s * interval '1 second',
-        next_run_at = statement_timestamp() + %(lease)s * interval '1 second',
-        updated = statement_timestamp(),
-        state = COALESCE(s.working, j.state),
-        attempts = CASE WHEN s.working IS NULL THEN j.attempts
-                        WHEN s.timer THEN GREATEST(j.attempts, 1)
-                        ELSE j.attempts + 1 END
-    FROM candidate c
-    LEFT JOIN unnest(%(start_workflows)s::text[], %(start_states)s::text[],
-                     %(start_working)s::text[], %(start_steps)s::text[], %(start_timers)s::bool[])
-              AS s(workflow, state, working, step, timer)
-           ON s.workflow = c.workflow AND s.state = c.state
-    WHERE j.id = c.id
-    RETURNING j.id, j.workflow, j.state, j.attempts, j.lease_token, j.payload::text AS payload,
-              j.wake_at, statement_timestamp() AS now, c.previous_owner, c.state AS previous_state,
-              s.step, s.timer, j.parent_id
-), started AS (
-    INSERT INTO durable_jobevent (job_id, at, kind, from_state, to_state, step, actor, message, data)
-    SELECT id, now, 'claimed', previous_state, state, step, %(owner)s,
-           CASE WHEN timer THEN 'timer fired' ELSE 'attempt ' || attempts END, NULL
-    FROM taken WHERE step IS NOT NULL
-)
-SELECT id, workflow, state, attempts, lease_token, payload, wake_at, now, previous_owner, step,
-       parent_id
-FROM taken
-"""
-
-_SQLITE_NOW = "strftime('%Y-%m-%d %H:%M:%f', 'now')"
-
-_SQLITE_PICK = f"""
-SELECT id, lease_owner, workflow, state FROM durable_job
-WHERE next_run_at <= {_SQLITE_NOW} {{filters}}
-  AND NOT EXISTS (SELECT 1 FROM durable_pause p WHERE p.workflow = durable_job.workflow)
-ORDER BY next_run_at
-LIMIT 1
-"""
-
-_SQLITE_TAKE = f"""
-UPDATE durable_job
-SET lease_owner = ?,
-    lease_token = lease_token + 1,
-    lease_until = strftime('%Y-%m-%d %H:%M:%f', 'now', ?),
-    next_run_at = strftime('%Y-%m-%d %H:%M:%f', 'now', ?),
-    updated = {_SQLITE_NOW},
-    state = coalesce(?, state),
-    attempts = CASE WHEN ? IS NULL THEN attempts WHEN ? THEN max(attempts, 1) ELSE attempts + 1 END
-WHERE id = ?
-RETURNING id, workflow, state, attempts, lease_token, payload, wake_at, {_SQLITE_NOW}, parent_id
-"""
-
-_SQLITE_EVENT = (
-    "INSERT INTO durable_jobevent (job_id, at, kind, from_state, to_state, step, actor, message, data)"
-    f" VALUES (?, {_SQLITE_NOW}, ?, ?, ?, ?, ?, ?, ?)"
-)
-
-
 def _filters(workflows, queues, params, pg):
-    sql = ""
+    text = ""
     for column, values in (("workflow", workflows), ("queue", queues)):
         if values:
             if pg:
-                sql += f" AND {column} = ANY(%({column}s)s)"
+                text += sql.PG_FILTER.format(column=column)
                 params[f"{column}s"] = list(values)
             else:
-                sql += f" AND {column} IN ({', '.join('?' for _ in values)})"
+                text += sql.SQLITE_FILTER.format(column=column, marks=", ".join("?" for _ in values))
                 params.extend(values)
-    return sql
+    return text
 
 
 _NO_STARTS = Starts(())
@@ -258,17 +128,15 @@ _NO_STARTS = Starts(())
 def claim_job(owner, lease_seconds, workflows=None, queues=None, starts=None):
     """Take the lease of the oldest due job and start its step, or return None.
 
-    One write of its own, or part of the caller's transaction. On PostgreSQL it is one
-    statement; ``FOR UPDATE SKIP LOCKED`` lets concurrent workers pass over each
-    other's candidates instead of queueing on them. On SQLite it runs in an IMMEDIATE
-    transaction: it holds the database's single write lock, so the select-then-update
-    cannot race.
-    A job whose lease expired is simply due again: reclaiming a dead worker's job is
-    the normal claim path, not a separate recovery pass. ``starts`` (a ``Starts``)
-    says which states the claim moves to their step's working state, with an event;
+    One write of its own, or part of the caller's transaction: one statement on
+    PostgreSQL (SKIP LOCKED: concurrent workers pass over each other's candidates), a
+    select-then-update in one IMMEDIATE transaction on SQLite (it holds the single
+    write lock, so nothing races). A job whose lease expired is simply due again:
+    reclaiming a dead worker's job is the normal claim path. ``starts`` says which
+    states the claim moves to their step's working state, with an event;
     ``Claimed.started_step`` is then the step started, else None.
     """
-    db = _db()
+    db = database()
     if db.vendor == "postgresql":
         return _pg_claimed(pg_execute(*_pg_claim(owner, lease_seconds, workflows, queues, starts), db=db),
                            owner)
@@ -277,7 +145,7 @@ def claim_job(owner, lease_seconds, workflows=None, queues=None, starts=None):
 
 def _pg_claim(owner, lease_seconds, workflows, queues, starts):
     params = {"owner": owner, "lease": float(lease_seconds), **(starts or _NO_STARTS).arrays}
-    return _PG_CLAIM.format(filters=_filters(workflows, queues, params, True)), params
+    return sql.PG_CLAIM_JOB.format(filters=_filters(workflows, queues, params, True)), params
 
 
 def _pg_claimed(cursor, owner):
@@ -289,20 +157,20 @@ def _pg_claimed(cursor, owner):
 
 def _sqlite_claim(db, owner, lease_seconds, workflows, queues, starts):
     params = []
-    picked = sqlite_execute(_SQLITE_PICK.format(filters=_filters(workflows, queues, params, False)),
+    picked = sqlite_execute(sql.SQLITE_PICK_JOB.format(filters=_filters(workflows, queues, params, False)),
                             params, db).fetchone()
     if picked is None:
         return None
     job_id, previous_owner, workflow, previous_state = picked
     working, started_step, timer = (starts or _NO_STARTS).by_state.get((workflow, previous_state),
                                                                        (None, None, False))
-    modifier = f"+{float(lease_seconds)} seconds"
-    row = sqlite_execute(_SQLITE_TAKE, (owner, modifier, modifier, working, working, timer,
-                                        job_id), db).fetchone()
+    modifier = sqlite_delta(lease_seconds)
+    row = sqlite_execute(sql.SQLITE_TAKE_JOB, (owner, modifier, modifier, working, working, timer,
+                                               job_id), db).fetchone()
     if started_step is not None:
         message = "timer fired" if timer else f"attempt {row[3]}"
-        sqlite_execute(_SQLITE_EVENT, (job_id, EventKind.CLAIMED.value, previous_state, working,
-                                       started_step, owner, message, None), db)
+        sqlite_execute(sql.SQLITE_EVENT, (job_id, EventKind.CLAIMED.value, previous_state, working,
+                                          started_step, owner, message, None), db)
     return _claimed(row, owner, previous_owner=previous_owner, started_step=started_step)
 
 
@@ -314,8 +182,8 @@ def _claimed(row, owner, previous_owner, started_step):
         attempts=row[3],
         lease_token=row[4],
         payload=json.loads(row[5]) if isinstance(row[5], str) else row[5],
-        wake_at=_sqlite_dt(row[6]),
-        db_now=_sqlite_dt(row[7]),
+        wake_at=sqlite_datetime(row[6]),
+        db_now=sqlite_datetime(row[7]),
         previous_owner=previous_owner,
         owner=owner,
         started_step=started_step,
@@ -323,34 +191,36 @@ def _claimed(row, owner, previous_owner, started_step):
     )
 
 
-_PG_SUBMIT = """
-WITH job AS (
-    INSERT INTO durable_job (id, workflow, workflow_version, queue, state, payload, result, attempts,
-                             next_run_at, lease_until, lease_owner, lease_token, wake_at, last_error,
-                             submitted_by, created, updated)
-    VALUES (%(id)s, %(workflow)s, %(version)s, %(queue)s, %(state)s, %(payload)s::jsonb, NULL, 0,
-            COALESCE(%(run_after)s::timestamptz, statement_timestamp()), NULL, NULL, 0, NULL, '',
-            %(by)s, statement_timestamp(), statement_timestamp())
-    ON CONFLICT (id) DO NOTHING
-    RETURNING id, created, updated, next_run_at
-), submitted AS (
-    INSERT INTO durable_jobevent (job_id, at, kind, from_state, to_state, step, actor, message, data)
-    SELECT id, created, 'submitted', '', %(state)s, '', %(by)s, %(message)s, NULL FROM job
-), woken AS (
-    SELECT pg_notify('durable_jobs', %(workflow)s) FROM job  -- JOBS_CHANNEL
-)
-SELECT created, updated, next_run_at, (SELECT count(*) FROM woken) FROM job
-"""
+def reclaim(claimed, attempt, *, actor, step, message):
+    """Count a new attempt of a job whose previous lease expired mid-step, with its event.
 
-_SQLITE_SUBMIT = f"""
-INSERT INTO durable_job (id, workflow, workflow_version, queue, state, payload, result, attempts,
-                         next_run_at, lease_until, lease_owner, lease_token, wake_at, last_error,
-                         submitted_by, created, updated)
-VALUES (?, ?, ?, ?, ?, ?, NULL, 0, coalesce(?, {_SQLITE_NOW}), NULL, NULL, 0, NULL, '', ?,
-        {_SQLITE_NOW}, {_SQLITE_NOW})
-ON CONFLICT (id) DO NOTHING
-RETURNING created, updated, next_run_at
-"""
+    Fenced by the claim's token; False (nothing written) when another claim took it.
+    """
+    if not Job.objects.filter(pk=claimed.id, lease_token=claimed.lease_token).update(attempts=attempt):
+        return False
+    JobEvent.objects.create(job_id=claimed.id, kind=EventKind.RECLAIMED, step=step, actor=actor,
+                            from_state=claimed.state, to_state=claimed.state, message=message)
+    return True
+
+
+def park_job(claimed, *, actor="", error=None):
+    """End a claimed job's lease and take it out of the claim index (a requeue makes it due).
+
+    ``error``, for a job that cannot run here, becomes its last error and a "failed"
+    event. Fenced by the claim's token; False when another claim took it.
+    """
+    fields = {"next_run_at": None, "lease_until": None, "lease_owner": None}
+    if error is not None:
+        fields["last_error"] = error
+    if not Job.objects.filter(pk=claimed.id, lease_token=claimed.lease_token).update(**fields):
+        return False
+    if error is not None:
+        JobEvent.objects.create(job_id=claimed.id, kind=EventKind.FAILED, actor=actor, message=error,
+                                from_state=claimed.state, to_state=claimed.state)
+    return True
+
+
+# Jobs: submitting ------------------------------------------------------------------------
 
 
 def insert_job(*, key, workflow, version, queue, state, payload_json, run_after, submitted_by, message):
@@ -361,25 +231,28 @@ def insert_job(*, key, workflow, version, queue, state, payload_json, run_after,
     is part of the statement, so it is delivered exactly when the job commits; outside
     a transaction the statement commits itself (one round trip for a submit).
     """
-    db = _db()
+    db = database()
     run_after = db.ops.adapt_datetimefield_value(run_after)
     if db.vendor == "postgresql":
-        row = pg_execute(_PG_SUBMIT, {
+        row = pg_execute(sql.PG_INSERT_JOB, {
             "id": key, "workflow": workflow, "version": version, "queue": queue, "state": state,
             "payload": payload_json, "run_after": run_after, "by": submitted_by, "message": message,
         }, db).fetchone()
         return None if row is None else row[:3]
 
     def write(db):
-        row = sqlite_execute(_SQLITE_SUBMIT, (key, workflow, version, queue, state, payload_json,
-                                              run_after, submitted_by), db).fetchone()
+        row = sqlite_execute(sql.SQLITE_INSERT_JOB, (key, workflow, version, queue, state,
+                                                     payload_json, run_after, submitted_by), db).fetchone()
         if row is None:
             return None
-        sqlite_execute(_SQLITE_EVENT, (key, EventKind.SUBMITTED.value, "", state, "", submitted_by,
-                                       message, None), db)
-        return tuple(_sqlite_dt(value) for value in row)
+        sqlite_execute(sql.SQLITE_EVENT, (key, EventKind.SUBMITTED.value, "", state, "", submitted_by,
+                                          message, None), db)
+        return tuple(sqlite_datetime(value) for value in row)
 
     return sqlite_transaction(write, db)
+
+
+# Jobs: leases and moves ------------------------------------------------------------------
 
 
 def renew_lease(job_id, token, lease_seconds):
@@ -416,28 +289,16 @@ def check_path(table, workflow, frm, path):
     return current
 
 
-def transition(
-    job,
-    path,
-    *,
-    expect=None,
-    token=None,
-    actor="",
-    message="",
-    step="",
-    kind=EventKind.TRANSITION,
-    data=None,
-    fields=None,
-    table=None,
-):
+def transition(job, path, *, expect=None, token=None, actor="", message="", step="",
+               kind=EventKind.TRANSITION, data=None, fields=None, table=None):
     """Move ``job`` along ``path`` (one state or several) with one compare-and-swap.
 
-    The only writer of ``Job.state``. Each edge is checked against the workflow's
-    table first (an illegal edge raises here, at the bug). The UPDATE is guarded by the
-    expected state and, for workers, the lease token: zero rows means someone moved the
-    job first (or the lease was lost) and the function returns False having written
-    nothing. Call it inside the transaction that writes whatever goes with the move
-    (memo, outbox rows), so they commit together or not at all.
+    The writer of ``Job.state`` for every move but a claim's start and a step's commit.
+    Each edge is checked against the workflow's table first (an illegal edge raises
+    here, at the bug). The UPDATE is guarded by the expected state and, for workers,
+    the lease token: zero rows (someone moved the job first, or the lease was lost)
+    returns False having written nothing. Call it inside the transaction that writes
+    whatever goes with the move (memo, outbox rows), so they commit together or not at all.
     """
     if isinstance(path, str):
         path = [path]
@@ -458,18 +319,8 @@ def transition(
     events = []
     previous = frm
     for to in path:
-        events.append(
-            JobEvent(
-                job_id=job.pk,
-                kind=kind,
-                from_state=previous,
-                to_state=to,
-                step=step,
-                actor=actor,
-                message=message,
-                data=data,
-            )
-        )
+        events.append(JobEvent(job_id=job.pk, kind=kind, from_state=previous, to_state=to, step=step,
+                               actor=actor, message=message, data=data))
         previous = to
     JobEvent.objects.bulk_create(events)
     job.state = current
@@ -483,251 +334,260 @@ def transition(
     return True
 
 
-def release(job_id, token, next_run_at):
-    """Give up a lease without a state change (graceful shutdown mid-claim)."""
-    with transaction.atomic():
-        return bool(
-            Job.objects.filter(pk=job_id, lease_token=token).update(
-                lease_until=None, lease_owner=None, next_run_at=next_run_at
-            )
-        )
-
-
-_PG_UNTIL_DUE = """
-SELECT EXTRACT(EPOCH FROM min(next_run_at) - statement_timestamp())::float8
-FROM durable_job WHERE next_run_at IS NOT NULL
-"""
-
-_SQLITE_UNTIL_DUE = """
-SELECT (julianday(min(next_run_at)) - julianday('now')) * 86400.0
-FROM durable_job WHERE next_run_at IS NOT NULL
-"""
-
-
 def seconds_until_due():
     """Seconds from the database's now until the earliest job is due, or None: one read."""
-    db = _db()
+    db = database()
     if db.vendor == "postgresql":
-        return pg_execute(_PG_UNTIL_DUE, {}, db).fetchone()[0]
-    return sqlite_execute(_SQLITE_UNTIL_DUE, (), db).fetchone()[0]
+        return pg_execute(sql.PG_UNTIL_JOB_DUE, {}, db).fetchone()[0]
+    return sqlite_execute(sql.SQLITE_UNTIL_JOB_DUE, (), db).fetchone()[0]
 
 
 def notify(channel, payload=""):
     """Wake idle workers listening on ``channel`` when the current transaction commits."""
     if is_postgres():
         with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_notify(%s, %s)", [channel, payload])
+            cursor.execute(sql.PG_NOTIFY, {"channel": channel, "payload": payload})
 
 
 def sqlite_data_version(cursor):
     """SQLite's counter that changes whenever another connection commits: a cheap wake-up."""
-    cursor.execute("PRAGMA data_version")
+    cursor.execute(sql.SQLITE_DATA_VERSION)
     return cursor.fetchone()[0]
-
-
-__all__ = [
-    "Claimed", "claim_job", "db_now", "notify", "now_plus", "release",
-    "renew_lease", "transition",
-]
 
 
 # The step commit: the worker's hot path ---------------------------------------------------
 
-_PG_COMPLETE = """
-WITH moved AS (
-    UPDATE durable_job
-    SET state = %(to)s,
-        updated = statement_timestamp(),
-        attempts = %(attempts)s,
-        lease_until = CASE WHEN %(keep)s
-                           THEN statement_timestamp() + %(lease)s * interval '1 second' END,
-        lease_owner = CASE WHEN %(keep)s THEN lease_owner END,
-        next_run_at = CASE WHEN %(keep)s
-                           THEN statement_timestamp() + %(lease)s * interval '1 second'
-                           WHEN %(terminal)s THEN NULL
-                           ELSE statement_timestamp() END,
-        wake_at = NULL,
-        last_error = '',
-        result = CASE WHEN %(terminal)s THEN %(result)s::jsonb ELSE result END
-    WHERE id = %(id)s AND state = %(frm)s AND lease_token = %(token)s
-      AND lease_until >= statement_timestamp()
-    RETURNING id
-), events AS (
-    INSERT INTO durable_jobevent (job_id, at, kind, from_state, to_state, step, actor, message, data)
-    SELECT moved.id, statement_timestamp(), %(kind)s, %(frm)s, %(to)s, %(step)s, %(actor)s, '',
-           %(data)s::jsonb
-    FROM moved
-), memo AS (
-    INSERT INTO durable_stepresult (job_id, step, output, cost, duration, attempt, workflow, at)
-    SELECT moved.id, %(step)s, %(output)s::jsonb, %(cost)s, %(micros)s * interval '1 microsecond',
-           %(attempt)s, %(workflow)s, statement_timestamp()
-    FROM moved WHERE %(write_memo)s
-)
-SELECT count(*) FROM moved
-"""
 
-_SQLITE_COMPLETE = f"""
-UPDATE durable_job
-SET state = ?,
-    updated = {_SQLITE_NOW},
-    attempts = ?,
-    lease_until = CASE WHEN ? THEN strftime('%Y-%m-%d %H:%M:%f', 'now', ?) END,
-    lease_owner = CASE WHEN ? THEN lease_owner END,
-    next_run_at = CASE WHEN ? THEN strftime('%Y-%m-%d %H:%M:%f', 'now', ?)
-                       WHEN ? THEN NULL
-                       ELSE {_SQLITE_NOW} END,
-    wake_at = NULL,
-    last_error = '',
-    result = CASE WHEN ? THEN ? ELSE result END
-WHERE id = ? AND state = ? AND lease_token = ? AND lease_until >= {_SQLITE_NOW}
-"""
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepCommit:
+    """What the commit of one finished step writes (see ``complete_step``)."""
 
-_SQLITE_MEMO = (
-    "INSERT INTO durable_stepresult (job_id, step, output, cost, duration, attempt, workflow, at)"
-    f" VALUES (?, ?, ?, ?, ?, ?, ?, {_SQLITE_NOW})"
-)
+    step: str                     # the step that finished
+    actor: str                    # who ran it, for its event
+    lease_seconds: float          # the lease kept (``keep``) or taken by a chained claim
+    output_json: str              # its output: the memo, and the job's result when terminal
+    cost: Decimal
+    duration: datetime.timedelta
+    attempt: int                  # the attempt that produced the output
+    data_json: str                # the event's data
+    keep: bool = False            # the job runs its next step here: the lease is renewed
+    terminal: bool = False        # the job ends: its result is written, it is never due again
+    write_memo: bool = True       # False when the memo exists already (the step was not re-run)
+    kind: str = EventKind.STEP_DONE.value
+
 
 _MICROSECOND = datetime.timedelta(microseconds=1)
 
 
-def complete_step(claimed, path, *, then_claim=None, **step):
-    """Advance a leased job along ``path`` and write its event and memo: one fenced write.
+def complete_step(claimed, path, commit, *, then_claim=None):
+    """Advance a leased job along ``path`` and write ``commit`` (a ``StepCommit``): one fenced write.
 
-    The same effect as ``transition()`` plus a ``StepResult`` insert, written as raw SQL
-    because it runs once per step on every worker: on PostgreSQL it is a single
-    statement (the inserts read the UPDATE's RETURNING, so a fenced-out worker inserts
-    nothing) and a single round trip; outside a transaction it commits itself, so a
-    step costs that one round trip. On SQLite it is three statements in one IMMEDIATE
+    ``transition()`` plus a ``StepResult`` insert, as raw SQL because it runs once per
+    step on every worker: on PostgreSQL one statement that commits itself outside a
+    transaction (one round trip a step); on SQLite three statements in one IMMEDIATE
     transaction (the caller's, or its own). The caller has checked the edges.
-
     ``then_claim`` = (owner, workflows, queues, starts) also claims the next job, as
-    ``claim_job()``, in the same transaction: one commit for both. A worker whose step
-    was fenced out claims nothing (it writes nothing at all). (psycopg's pipeline
-    mode could send both statements in one round trip; measured, it saved no time and
-    cost CPU.) ``step`` holds keep, terminal, lease_seconds, attempts, result_json,
-    kind, step, actor, data_json and memo: None or (output_json, cost, duration,
-    attempt, workflow). Returns (completed, next Claimed or None); not completed means
-    nothing of the step was written (the lease was lost or the job moved).
+    ``claim_job()``, in the same transaction: one commit for both (psycopg's pipeline
+    mode, measured, saved no time and cost CPU). Returns (completed, next Claimed or
+    None); not completed means nothing was written (the lease was lost or the job moved).
     """
-    db = _db()
-    lease_seconds = step["lease_seconds"]
+    db = database()
     if db.vendor == "postgresql":
         if then_claim is None:
-            return pg_execute(_PG_COMPLETE, _pg_complete_params(claimed, path, **step), db).fetchone()[0] == 1, None
+            return pg_execute(sql.PG_COMPLETE_STEP, _pg_complete_params(claimed, path, commit),
+                              db).fetchone()[0] == 1, None
         owner, workflows, queues, starts = then_claim
         with transaction.atomic():
-            if pg_execute(_PG_COMPLETE, _pg_complete_params(claimed, path, **step), db).fetchone()[0] != 1:
+            if pg_execute(sql.PG_COMPLETE_STEP, _pg_complete_params(claimed, path, commit),
+                          db).fetchone()[0] != 1:
                 return False, None
-            taken = pg_execute(*_pg_claim(owner, lease_seconds, workflows, queues, starts), db=db)
+            taken = pg_execute(*_pg_claim(owner, commit.lease_seconds, workflows, queues, starts), db=db)
             return True, _pg_claimed(taken, owner)
 
     def write(db):
-        done = _sqlite_complete(db, claimed, path, **step)
+        done = _sqlite_complete(db, claimed, path, commit)
         if then_claim is None or not done:
             return done, None
         owner, workflows, queues, starts = then_claim
-        return done, _sqlite_claim(db, owner, lease_seconds, workflows, queues, starts)
+        return done, _sqlite_claim(db, owner, commit.lease_seconds, workflows, queues, starts)
 
     return sqlite_transaction(write, db)
 
 
-def _pg_complete_params(claimed, path, *, keep, terminal, lease_seconds, attempts, result_json,
-                        kind, step, actor, data_json, memo):
-    output_json, cost, duration, attempt, workflow = memo or ("null", 0, datetime.timedelta(0), 0, "")
+def _pg_complete_params(claimed, path, c):
     return {
-        "to": path[-1], "attempts": attempts, "keep": keep, "lease": float(lease_seconds),
-        "terminal": terminal, "result": result_json, "id": claimed.id, "frm": claimed.state,
-        "token": claimed.lease_token, "kind": kind, "step": step, "actor": actor,
-        "data": data_json,
-        "output": output_json, "cost": cost, "micros": duration // _MICROSECOND,
-        "attempt": attempt, "workflow": workflow, "write_memo": memo is not None,
+        "to": path[-1], "attempts": 1 if c.keep else 0, "keep": c.keep,
+        "lease": float(c.lease_seconds), "terminal": c.terminal,
+        "result": c.output_json if c.terminal else None, "id": claimed.id, "frm": claimed.state,
+        "token": claimed.lease_token, "kind": c.kind, "step": c.step, "actor": c.actor,
+        "data": c.data_json, "output": c.output_json, "cost": c.cost,
+        "micros": c.duration // _MICROSECOND, "attempt": c.attempt, "workflow": claimed.workflow,
+        "write_memo": c.write_memo,
     }
 
 
-def _sqlite_complete(db, claimed, path, *, keep, terminal, lease_seconds, attempts, result_json,
-                     kind, step, actor, data_json, memo):
-    modifier = f"+{float(lease_seconds)} seconds"
-    moved = sqlite_execute(_SQLITE_COMPLETE, (
-        path[-1], attempts, keep, modifier, keep, keep, modifier, terminal, terminal, result_json,
-        claimed.id, claimed.state, claimed.lease_token,
+def _sqlite_complete(db, claimed, path, c):
+    modifier = sqlite_delta(c.lease_seconds)
+    keep, terminal = c.keep, c.terminal
+    moved = sqlite_execute(sql.SQLITE_COMPLETE_STEP, (
+        path[-1], 1 if keep else 0, keep, modifier, keep, keep, modifier, terminal, terminal,
+        c.output_json if terminal else None, claimed.id, claimed.state, claimed.lease_token,
     ), db)
     if moved.rowcount != 1:
         return False
-    sqlite_execute(_SQLITE_EVENT, (claimed.id, kind, claimed.state, path[-1], step, actor, "", data_json), db)
-    if memo is not None:
-        output_json, cost, duration, attempt, workflow = memo
-        sqlite_execute(_SQLITE_MEMO, (claimed.id, step, output_json, str(cost),
-                                      duration // _MICROSECOND, attempt, workflow), db)
+    sqlite_execute(sql.SQLITE_EVENT, (claimed.id, c.kind, claimed.state, path[-1], c.step, c.actor, "",
+                                      c.data_json), db)
+    if c.write_memo:
+        sqlite_execute(sql.SQLITE_STEP_MEMO, (claimed.id, c.step, c.output_json, str(c.cost),
+                                              c.duration // _MICROSECOND, c.attempt, claimed.workflow),
+                       db)
     return True
 
 
 # An agent's memo commit: one per model or tool call -----------------------------------------
 
-_PG_MEMO = """
-WITH moved AS (
-    UPDATE durable_job
-    SET progress = %(progress)s::jsonb, attempts = 1, updated = statement_timestamp(),
-        lease_until = statement_timestamp() + %(lease)s * interval '1 second',
-        next_run_at = statement_timestamp() + %(lease)s * interval '1 second',
-        last_error = ''
-    WHERE id = %(id)s AND state = %(state)s AND lease_token = %(token)s
-      AND lease_until >= statement_timestamp()
-    RETURNING id
-)
-INSERT INTO durable_stepresult (job_id, step, kind, name, seq, turn, fingerprint, output, cost,
-                                input_tokens, output_tokens, model, duration, attempt, workflow, at)
-SELECT moved.id, %(key)s, %(kind)s, %(name)s, %(seq)s, %(turn)s, %(fingerprint)s,
-       %(output)s::jsonb, %(cost)s, %(input_tokens)s, %(output_tokens)s, %(model)s,
-       %(micros)s * interval '1 microsecond', %(attempt)s, %(workflow)s, statement_timestamp()
-FROM moved
-"""
 
-_SQLITE_MEMO_MOVE = f"""
-UPDATE durable_job
-SET progress = ?, attempts = 1, updated = {_SQLITE_NOW},
-    lease_until = strftime('%Y-%m-%d %H:%M:%f', 'now', ?),
-    next_run_at = strftime('%Y-%m-%d %H:%M:%f', 'now', ?),
-    last_error = ''
-WHERE id = ? AND state = ? AND lease_token = ? AND lease_until >= {_SQLITE_NOW}
-"""
+@dataclasses.dataclass(frozen=True, slots=True)
+class MemoCommit:
+    """One model or tool call's memo, as ``commit_memo`` writes it."""
 
-_SQLITE_MEMO_ROW = f"""
-INSERT INTO durable_stepresult (job_id, step, kind, name, seq, turn, fingerprint, output, cost,
-                                input_tokens, output_tokens, model, duration, attempt, workflow, at)
-VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, {_SQLITE_NOW})
-"""
+    key: str                      # the call's memo key (StepResult.step)
+    kind: str                     # model or tool
+    name: str
+    seq: int                      # its place among the job's calls
+    turn: int
+    fingerprint: str              # what was asked, to check a replay asks the same
+    output_json: str
+    cost: Decimal
+    input_tokens: int
+    output_tokens: int
+    model: str
+    duration: datetime.timedelta
+    attempt: int
+    workflow: str
 
 
-def commit_memo(claimed, state, lease_seconds, progress_json, *, key, kind, name, seq, turn,
-                fingerprint, output_json, cost, input_tokens, output_tokens, model, duration,
-                attempt, workflow):
+def commit_memo(claimed, state, lease_seconds, progress_json, call=None, **fields):
     """Write one memo of a leased job with its progress, renewing the lease: one fenced commit.
 
-    On PostgreSQL one statement that commits itself (the insert reads the UPDATE's
-    RETURNING, so a fenced-out worker inserts nothing); on SQLite two statements in one
-    IMMEDIATE transaction. Returns False, having written nothing, when the lease was
-    lost or the job moved.
+    ``call`` is a ``MemoCommit`` (or its fields as keywords). On PostgreSQL one statement
+    that commits itself (the insert reads the UPDATE's RETURNING, so a fenced-out worker
+    inserts nothing); on SQLite two statements in one IMMEDIATE transaction. Returns
+    False, having written nothing, when the lease was lost or the job moved.
     """
-    db = _db()
-    micros = duration // _MICROSECOND
+    c = call if call is not None else MemoCommit(**fields)
+    db = database()
+    micros = c.duration // _MICROSECOND
     if db.vendor == "postgresql":
-        return pg_execute(_PG_MEMO, {
+        return pg_execute(sql.PG_COMMIT_MEMO, {
             "progress": progress_json, "lease": float(lease_seconds), "id": claimed.id,
-            "state": state, "token": claimed.lease_token, "key": key, "kind": kind, "name": name,
-            "seq": seq, "turn": turn, "fingerprint": fingerprint, "output": output_json,
-            "cost": cost, "input_tokens": input_tokens, "output_tokens": output_tokens,
-            "model": model, "micros": micros, "attempt": attempt, "workflow": workflow,
+            "state": state, "token": claimed.lease_token, "key": c.key, "kind": c.kind,
+            "name": c.name, "seq": c.seq, "turn": c.turn, "fingerprint": c.fingerprint,
+            "output": c.output_json, "cost": c.cost, "input_tokens": c.input_tokens,
+            "output_tokens": c.output_tokens, "model": c.model, "micros": micros,
+            "attempt": c.attempt, "workflow": c.workflow,
         }, db).rowcount == 1
 
     def write(db):
-        modifier = f"+{float(lease_seconds)} seconds"
-        moved = sqlite_execute(_SQLITE_MEMO_MOVE, (progress_json, modifier, modifier, claimed.id,
-                                                   state, claimed.lease_token), db)
+        modifier = sqlite_delta(lease_seconds)
+        moved = sqlite_execute(sql.SQLITE_MEMO_PROGRESS, (progress_json, modifier, modifier,
+                                                          claimed.id, state, claimed.lease_token), db)
         if moved.rowcount != 1:
             return False
-        sqlite_execute(_SQLITE_MEMO_ROW, (claimed.id, key, kind, name, seq, turn, fingerprint,
-                                          output_json, str(cost), input_tokens, output_tokens,
-                                          model, micros, attempt, workflow), db)
+        sqlite_execute(sql.SQLITE_CALL_MEMO, (claimed.id, c.key, c.kind, c.name, c.seq, c.turn,
+                                              c.fingerprint, c.output_json, str(c.cost),
+                                              c.input_tokens, c.output_tokens, c.model, micros,
+                                              c.attempt, c.workflow), db)
         return True
 
     return sqlite_transaction(write, db)
+
+
+# Outbox rows: the dispatcher's claim and lease --------------------------------------------
+
+
+class ClaimedAction:
+    """An outbox row as the claim returned it, plus the lease this dispatcher holds."""
+
+    def __init__(self, values, previous_owner):
+        for name, value in zip(sql.ACTION_COLUMNS, values, strict=True):
+            setattr(self, name, value)
+        if isinstance(self.payload, str):
+            self.payload = json.loads(self.payload)
+        self.previous_owner = previous_owner
+
+    @property
+    def pk(self):
+        return self.id
+
+
+def claim_actions(owner, lease_seconds, limit):
+    """Take the lease of up to ``limit`` due outbox rows, oldest first, in one short transaction.
+
+    PostgreSQL: one statement; ``FOR UPDATE SKIP LOCKED`` lets several dispatchers claim
+    different rows at once. SQLite: select then update in one IMMEDIATE transaction
+    (it holds the write lock, so nothing races between).
+    """
+    db = database()
+    if db.vendor == "postgresql":
+        rows = pg_execute(sql.PG_CLAIM_ACTIONS, {"owner": owner, "lease": float(lease_seconds),
+                                                 "limit": int(limit)}, db).fetchall()
+        return [ClaimedAction(row[:-1], row[-1]) for row in rows]
+
+    def write(db):
+        picked = dict(sqlite_execute(sql.SQLITE_PICK_ACTIONS, (int(limit),), db).fetchall())
+        if not picked:
+            return []
+        modifier = sqlite_delta(lease_seconds)
+        statement = sql.SQLITE_TAKE_ACTIONS.format(ids=", ".join("?" for _ in picked))
+        rows = sqlite_execute(statement, (owner, modifier, modifier, *picked), db).fetchall()
+        order = {action_id: index for index, action_id in enumerate(picked)}
+        return sorted((ClaimedAction(row, picked[row[0]]) for row in rows), key=lambda r: order[r.id])
+
+    return sqlite_transaction(write, db)
+
+
+def next_due():
+    """When the earliest outbox row becomes due (served by the partial index), or None."""
+    return (Outbox.objects.filter(next_attempt_at__isnull=False).order_by("next_attempt_at")
+            .values_list("next_attempt_at", flat=True).first())
+
+
+def release_action(row, *, after=0.0, status=None, only_if=None, **fields):
+    """End a claimed outbox row's lease, writing ``status`` and ``fields`` with it.
+
+    Due again in ``after`` seconds by the database clock (0: now; None: not by itself).
+    Fenced by the claim's token and, with ``only_if``, the status the row must still
+    have; False (nothing written) when the lease was lost or the status moved.
+    """
+    if status is not None:
+        fields["status"] = status
+    due = None if after is None else (Now() if not after else now_plus(after))
+    rows = Outbox.objects.filter(pk=row.id, lease_token=row.lease_token)
+    if only_if is not None:
+        rows = rows.filter(status=only_if)
+    return bool(rows.update(next_attempt_at=due, lease_until=None, lease_owner=None, **fields))
+
+
+def park_action(row, **fields):
+    """End the lease of a claimed outbox row and leave it not due (see ``release_action``)."""
+    return release_action(row, after=None, **fields)
+
+
+def extend_action_lease(row, lease_seconds, *, only_if, **fields):
+    """Renew a claimed outbox row's lease for its send, writing ``fields``; fenced as above.
+
+    The row is due again when the new lease ends: a dispatcher that dies mid-send
+    leaves it to the next claim.
+    """
+    until = now_plus(lease_seconds)
+    return bool(Outbox.objects.filter(pk=row.id, lease_token=row.lease_token, status=only_if)
+                .update(lease_until=until, next_attempt_at=until, **fields))
+
+
+__all__ = [
+    "JOBS_CHANNEL", "OUTBOX_CHANNEL", "ClaimedAction", "Claimed", "MemoCommit", "StepCommit",
+    "claim_actions", "claim_job", "commit_memo", "complete_step", "db_now", "insert_job",
+    "notify", "now_plus", "park_action", "park_job", "reclaim", "release_action", "renew_lease",
+    "transition",
+]

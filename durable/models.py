@@ -1,6 +1,7 @@
 """Jobs, memos, actions, approvals, pauses and the event log.
 
-Nothing here assigns ``Job.state``: ``durable.locking.transition`` is its only writer.
+Nothing here assigns ``Job.state``: ``durable.locking`` is its only writer (``insert_job``,
+``claim_job``, ``complete_step`` and ``transition``).
 """
 
 import datetime

@@ -16,7 +16,7 @@ from . import faults, locking
 from .conf import durable_settings
 from .exceptions import LeaseLost, UnknownWorkflow
 from .identity import storable_json
-from .models import EventKind, Job, JobEvent, StepResult
+from .models import EventKind, StepResult
 from .retry import backoff, classify, describe, scrub
 from .signals import job_finished, step_finished, step_started
 from .states import RESUMING_KINDS, StateKind
@@ -135,18 +135,11 @@ class Runner:
                 error = f"Worker lost {claimed.attempts} times while running {step.name} (lease expired)"
                 self._fail(claimed, table, states, attempt - 1, error, kind=EventKind.FAILED)
                 return None
-            Job.objects.filter(pk=claimed.id, lease_token=token).update(attempts=attempt)
-            JobEvent.objects.create(
-                job_id=claimed.id, kind=EventKind.RECLAIMED, step=step.name, actor=self.owner,
-                from_state=claimed.state, to_state=claimed.state, message=message,
-            )
-            ok = True
+            ok = locking.reclaim(claimed, attempt, actor=self.owner, step=step.name, message=message)
         else:
             # Not a state workers run (a human, the dispatcher or nobody owns it):
             # take it out of the claim index rather than spin on it.
-            Job.objects.filter(pk=claimed.id, lease_token=token).update(
-                next_run_at=None, lease_until=None, lease_owner=None
-            )
+            locking.park_job(claimed)
             return None
         if not ok:
             return None
@@ -158,13 +151,7 @@ class Runner:
         return started
 
     def _park(self, claimed, message):
-        Job.objects.filter(pk=claimed.id, lease_token=claimed.lease_token).update(
-            next_run_at=None, lease_until=None, lease_owner=None, last_error=scrub(message)
-        )
-        JobEvent.objects.create(
-            job_id=claimed.id, kind=EventKind.FAILED, actor=self.owner, message=scrub(message),
-            from_state=claimed.state, to_state=claimed.state,
-        )
+        locking.park_job(claimed, actor=self.owner, error=scrub(message))
         logger.error("%s job=%s parked: %s", self.owner, claimed.id, message)
 
     # Running -----------------------------------------------------------------------
@@ -301,13 +288,10 @@ class Runner:
         via = f', "via": {json.dumps(path[0])}' if len(path) > 1 else ""
         data_json = (f'{{"attempt": {int(started.attempt)}, "cost": "{cost}", '
                      f'"ms": {round(duration.total_seconds() * 1000, 3)}{via}}}')
-        fields = dict(
-            keep=keep_going, terminal=terminal, lease_seconds=self.lease_seconds,
-            attempts=1 if keep_going else 0, result_json=output_json if terminal else None,
-            kind=EventKind.STEP_DONE.value, step=step.name, actor=self.owner,
-            data_json=data_json,
-            memo=(output_json, cost, duration, started.attempt, started.workflow.name)
-            if write_memo else None,
+        commit = locking.StepCommit(
+            step=step.name, actor=self.owner, lease_seconds=self.lease_seconds,
+            output_json=output_json, cost=cost, duration=duration, attempt=started.attempt,
+            data_json=data_json, keep=keep_going, terminal=terminal, write_memo=write_memo,
         )
         then_claim = (self.owner, self.workflows, self.queues, self._refresh_starts()) if chain else None
         if terminal and claimed.parent_id is not None:
@@ -315,11 +299,11 @@ class Runner:
             from .children import wake_parent
 
             with transaction.atomic():
-                ok, claimed_next = locking.complete_step(claimed, path, then_claim=then_claim, **fields)
+                ok, claimed_next = locking.complete_step(claimed, path, commit, then_claim=then_claim)
                 if ok:
                     wake_parent(claimed.parent_id, claimed.id)
         else:
-            ok, claimed_next = locking.complete_step(claimed, path, then_claim=then_claim, **fields)
+            ok, claimed_next = locking.complete_step(claimed, path, commit, then_claim=then_claim)
         if ok:
             claimed.state = path[-1]
         return ok, claimed_next

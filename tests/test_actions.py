@@ -18,9 +18,9 @@ from django.test import override_settings
 
 import durable
 from durable import destinations, services
-from durable.dispatch import Dispatcher, claim_actions
+from durable.dispatch import Dispatcher
 from durable.identity import action_identity
-from durable.locking import db_now
+from durable.locking import claim_actions, db_now
 from durable.models import JobEvent, Outbox, OutboxStatus, Pause, StepResult
 
 from .conftest import ROOT, wait_for
