@@ -67,12 +67,13 @@ class Claimed:
 
     __slots__ = (
         "id", "workflow", "state", "attempts", "lease_token", "payload", "wake_at",
-        "db_now", "previous_owner", "owner", "started_step", "parent_id",
+        "db_now", "previous_owner", "owner", "started_step", "parent_id", "created",
     )
 
-    def __init__(self, started_step=None, parent_id=None, **kw):
+    def __init__(self, started_step=None, parent_id=None, created=None, **kw):
         self.started_step = started_step
         self.parent_id = parent_id
+        self.created = created
         for k, v in kw.items():
             setattr(self, k, v)
 
@@ -187,7 +188,9 @@ def _claimed(row, owner, previous_owner, started_step):
         previous_owner=previous_owner,
         owner=owner,
         started_step=started_step,
-        parent_id=row[10] if len(row) > 10 else row[8],
+        # The last two columns of both dialects' claims.
+        parent_id=row[-2],
+        created=sqlite_datetime(row[-1]),
     )
 
 

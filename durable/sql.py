@@ -102,7 +102,7 @@ WITH candidate AS (
     WHERE j.id = c.id
     RETURNING j.id, j.workflow, j.state, j.attempts, j.lease_token, j.payload::text AS payload,
               j.wake_at, statement_timestamp() AS now, c.previous_owner, c.state AS previous_state,
-              s.step, s.timer, j.parent_id
+              s.step, s.timer, j.parent_id, j.created
 ), started AS (
     INSERT INTO durable_jobevent (job_id, at, kind, from_state, to_state, step, actor, message, data)
     SELECT id, now, 'claimed', previous_state, state, step, %(owner)s,
@@ -110,7 +110,7 @@ WITH candidate AS (
     FROM taken WHERE step IS NOT NULL
 )
 SELECT id, workflow, state, attempts, lease_token, payload, wake_at, now, previous_owner, step,
-       parent_id
+       parent_id, created
 FROM taken
 """
 
@@ -135,7 +135,8 @@ SET lease_owner = ?,
     state = coalesce(?, state),
     attempts = CASE WHEN ? IS NULL THEN attempts WHEN ? THEN max(attempts, 1) ELSE attempts + 1 END
 WHERE id = ?
-RETURNING id, workflow, state, attempts, lease_token, payload, wake_at, {SQLITE_NOW}, parent_id
+RETURNING id, workflow, state, attempts, lease_token, payload, wake_at, {SQLITE_NOW}, parent_id,
+          created
 """
 
 # One job event, at the database's now.
