@@ -21,12 +21,11 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
 from django.db import transaction
-from django.db.models import F, Max
 from django.db.models.functions import Now
 
 from . import audit, locking
+from .agent_outbox import latest_approval, turn_of
 from .agents import (
-    ACTION_STATES,
     AWAITING_APPROVAL,
     IN_FLIGHT,
     NEEDS_HUMAN,
@@ -35,22 +34,24 @@ from .agents import (
     Suspended,
     ToolError,
     is_agent,
+    parsed,
 )
+from .approvals import close
 from .conf import durable_settings
 from .exceptions import DecisionForbidden, LeaseLost, OperatorError
+from .identity import action_identity, make_proposal, proposal_hash
 from .models import (
     Approval,
     ApprovalStatus,
     EventKind,
-    JobEvent,
+    Job,
     MemoKind,
     Outbox,
     OutboxStatus,
-    StepResult,
 )
-from .retry import scrub
+from .outbox import validate, write_row
 from .states import CANCELLED
-from .workflows import Action, Retry
+from .workflows import Action
 
 logger = logging.getLogger("durable.agents")
 
@@ -82,11 +83,8 @@ class _Planned:
 
 
 def _plan(run, key, tool, arguments, turn):
-    from .approvals import make_proposal, proposal_hash
-    from .dispatch import _validate, action_identity
-
     action = tool(run.ctx, **arguments)
-    values = _validate(action)
+    values = validate(action)
     kind = action_kind(tool, key)
     params, idem = action_identity(run.claimed.id, kind, action.destination, action.operation,
                                    values)
@@ -99,10 +97,6 @@ def _plan(run, key, tool, arguments, turn):
     summary = action.summary or f"{tool.name}({said}): {action.operation} on {action.destination}"
     return _Planned(key, tool, action, values, kind, params, idem, proposal,
                     proposal_hash(proposal), summary[:2000], version)
-
-
-def _latest_approval(job_id, key):
-    return Approval.objects.filter(job_id=job_id, step=key).order_by("-id").first()
 
 
 def _decided(approval, digest, now):
@@ -123,8 +117,6 @@ def propose_turn(run, keyed, turn):
     """Write the proposals this turn still needs and park the job, or return if there are none."""
     drafts = []
     now = None
-    from .agent_run import parsed
-
     for key, call in keyed:
         if key in run.memos:
             continue
@@ -142,7 +134,7 @@ def propose_turn(run, keyed, turn):
                 status=OutboxStatus.PENDING, next_attempt_at__isnull=True).exists():
             continue  # sent already (or being sent): the outcome decides, not a new proposal
         now = now or locking.db_now()
-        if _decided(_latest_approval(run.claimed.id, key), planned.digest, now) is None:
+        if _decided(latest_approval(run.claimed.id, key), planned.digest, now) is None:
             drafts.append(planned)
     if drafts:
         _park_for_approval(run, drafts, turn, now)
@@ -157,7 +149,7 @@ def _park_for_approval(run, drafts, turn, now):
             for old in open_:
                 if old.proposal_hash == planned.digest:
                     break  # the same proposal is open already
-                _close(old, ApprovalStatus.SUPERSEDED, "a new proposal replaced it")
+                close(old, ApprovalStatus.SUPERSEDED, "a new proposal replaced it")
             else:
                 expiry = planned.tool.approval_expiry or durable_settings.APPROVAL_EXPIRY_SECONDS
                 Approval.objects.create(
@@ -181,12 +173,6 @@ def _park_for_approval(run, drafts, turn, now):
     raise Suspended("action", f"{len(drafts)} proposals wait for a decision")
 
 
-def _close(approval, status, note):
-    from .approvals import _close as close
-
-    close(approval, status, note)
-
-
 # Acting -----------------------------------------------------------------------------------
 
 
@@ -204,8 +190,6 @@ def act(run, key, tool, arguments, turn):
 
 def _frontier(run, planned):
     """Nothing recorded at this key yet: settle from what exists, or send (never twice)."""
-    from .dispatch import OUTBOX_CHANNEL, _memo
-
     claimed, key, tool = run.claimed, planned.key, planned.tool
     needs = tool.needs_approval(planned.action, run.ctx)
     outcome = None
@@ -217,14 +201,14 @@ def _frontier(run, planned):
                              f" ({row.status}, from {row.step_key or row.kind});"
                              f" {tool.name} acts once per job", "status": "refused"}, {}
         if row is not None and row.status == OutboxStatus.SUCCEEDED:
-            return _memo(row, how="recorded earlier"), {}
+            return row.confirmed_memo("recorded earlier"), {}
         if row is not None and row.status in (OutboxStatus.FAILED, OutboxStatus.CANCELLED):
             return {"error": f"{row.operation} on {row.destination} {row.status}:"
                              f" {row.last_error}", "status": row.status}, {}
         in_flight = row is not None and (row.status != OutboxStatus.PENDING
                                          or row.next_attempt_at is not None)
         if not in_flight and needs:
-            approval = _latest_approval(claimed.id, key)
+            approval = latest_approval(claimed.id, key)
             decided = _decided(approval, planned.digest, locking.db_now())
             if decided == "rejected":
                 if tool.on_reject == "cancel":
@@ -235,12 +219,12 @@ def _frontier(run, planned):
                 outcome = "propose", None
         if outcome is None:
             _send(run, planned, row, in_flight)
-            locking.notify(OUTBOX_CHANNEL, claimed.id)
+            locking.notify(locking.OUTBOX_CHANNEL, claimed.id)
     if outcome is None:
         raise Suspended("action", f"{planned.summary} in flight")
     verb, approval = outcome
     if verb == "propose":
-        _park_for_approval(run, [planned], _turn_of(key), locking.db_now())
+        _park_for_approval(run, [planned], turn_of(key), locking.db_now())
     _cancel(run, planned, approval)
 
 
@@ -250,23 +234,15 @@ def _send(run, planned, row, in_flight):
     state = IN_FLIGHT
     if in_flight:
         message = f"{planned.summary}: already {row.status}; settling it, not sending it again"
-        Outbox.objects.filter(pk=row.pk).update(next_attempt_at=Now(), updated=Now(),
-                                                version=F("version") + 1)
+        Outbox.objects.filter(pk=row.pk).wake()
         if row.status == OutboxStatus.UNKNOWN:
             state = UNKNOWN
     else:
         message = f"{planned.summary}: queued"
-        fresh = {"destination": planned.action.destination, "operation": planned.action.operation,
-                 "payload": planned.values, "params_hash": planned.params,
-                 "idempotency_key": planned.idempotency_key, "status": OutboxStatus.PENDING,
-                 "attempts": 0, "lookups": 0, "next_attempt_at": Now(), "lease_until": None,
-                 "lease_owner": None, "sent_at": None, "remote_id": "", "response_summary": "",
-                 "last_error": "", "step_key": planned.key}
-        if row is None:
-            Outbox.objects.create(job_id=claimed.id, kind=planned.kind, **fresh)
-        else:
-            Outbox.objects.filter(pk=row.pk).update(**fresh, version=F("version") + 1,
-                                                    updated=Now())
+        write_row(row, job_id=claimed.id, kind=planned.kind,
+                  destination=planned.action.destination, operation=planned.action.operation,
+                  values=planned.values, params=planned.params, key=planned.idempotency_key,
+                  due=True, step_key=planned.key)
     path = [IN_FLIGHT] if state == IN_FLIGHT else [IN_FLIGHT, UNKNOWN]
     ok = locking.transition(
         claimed, path, token=claimed.lease_token, actor=run.runner.owner, step=planned.key,
@@ -295,130 +271,7 @@ def _cancel(run, planned, approval):
     raise Suspended("cancelled")
 
 
-def _turn_of(key):
-    head = key.split("/", 1)[0]
-    return int(head[1:]) if head.startswith("t") and head[1:].isdigit() else 0
-
-
-# The dispatcher's side --------------------------------------------------------------------
-
-
-@dataclass
-class ActionStep:
-    """What the dispatcher needs of an agent's action: the tool call's key and policies."""
-
-    name: str
-    step_key: str
-    tool_name: str
-    retry: Retry
-    approval: object
-
-
-def step_of_row(row, workflow):
-    """(step, states) for an outbox row of an agent job, as the dispatcher uses them."""
-    step_key = getattr(row, "step_key", None)
-    if step_key is None:
-        step_key = Outbox.objects.filter(pk=row.id).values_list("step_key", flat=True).first()
-    base = row.kind.split(":", 1)[0]
-    tool = next((t for t in workflow.tools if t.is_action and t.kind == base), None)
-    return ActionStep(name=row.kind, step_key=step_key or row.kind,
-                      tool_name=tool.name if tool else base,
-                      retry=tool.retry if tool else Retry(),
-                      approval=bool(tool and tool.approval)), ACTION_STATES
-
-
-def settle(ctx, output, *, actor, message, kind=EventKind.STEP_DONE, data=None):
-    """The action's outcome becomes the tool call's memo; the run resumes (inside the transaction)."""
-    job, row, st = ctx.job, ctx.row, ctx.step
-    ok = locking.transition(
-        job, PENDING, expect=job.state, actor=actor, step=st.step_key, table=ctx.table,
-        kind=kind, message=scrub(message),
-        fields={"attempts": 0, "lease_until": None, "lease_owner": None, "wake_at": None,
-                "next_run_at": Now(), "last_error": ""},
-        data={"action": row.id, **(data or {})},
-    )
-    if not ok:
-        return None
-    if not StepResult.objects.filter(job_id=job.pk, step=st.step_key).exists():
-        seq = StepResult.objects.filter(job_id=job.pk).aggregate(m=Max("seq"))["m"] or 0
-        params = Outbox.objects.filter(pk=row.id).values_list("params_hash", flat=True).first()
-        StepResult.objects.create(
-            job_id=job.pk, step=st.step_key, kind=MemoKind.ACTION, name=st.tool_name,
-            seq=seq + 1, turn=_turn_of(st.step_key), fingerprint=params or "", output=output,
-            duration=datetime.timedelta(0), attempt=max(row.attempts, 1), workflow=job.workflow,
-        )
-    locking.notify("durable_jobs", job.workflow)
-    return None
-
-
-def settle_failed(ctx, error, *, actor, kind=EventKind.FAILED, data=None):
-    """A confirmed failure goes back to the model as the tool's error result."""
-    row = ctx.row
-    output = {"error": f"{row.operation} on {row.destination} failed: {scrub(error)}",
-              "status": OutboxStatus.FAILED.value}
-    settle(ctx, output, actor=actor, message=f"failed: {error}", kind=kind, data=data)
-    return True
-
-
-def check_before_dispatch(row, job):
-    """An agent's action with an approval is sent only while that approval holds exactly."""
-    from .approvals import _park, hash_of_row
-
-    if row.status != OutboxStatus.PENDING:
-        return True
-    approval = _latest_approval(job.pk, row.step_key)
-    if approval is None:
-        return True  # the tool did not ask for approval for these values
-    why = None
-    if approval.status != ApprovalStatus.APPROVED:
-        why, status = f"the approval is {approval.status}", None
-    elif approval.expires_at <= locking.db_now():
-        why, status = "the approval expired before the action was sent", ApprovalStatus.EXPIRED
-    elif hash_of_row(row, approval.input_version) != approval.proposal_hash:
-        why, status = "what is about to be sent differs from what was approved", ApprovalStatus.SUPERSEDED
-    if why is None:
-        return True
-    if status is not None:
-        _close(approval, status, why)
-    _park(row, f"not sent: {why}")
-    if job.state == IN_FLIGHT:
-        locking.transition(job, PENDING, expect=IN_FLIGHT, actor="durable", step=row.step_key,
-                           kind=EventKind.APPROVAL, message=f"not sent: {why}; proposing again",
-                           fields={"next_run_at": Now(), "attempts": 0, "lease_until": None,
-                                   "lease_owner": None, "last_error": f"not sent: {why}"})
-        locking.notify("durable_jobs", job.workflow)
-    return False
-
-
-# Decisions and grants (the approval services and operators) ------------------------------
-
-
-def decide(approval, job, user, now, status, note, verb):
-    """Record one decision; when the turn's last proposal is decided, the run resumes."""
-    from .approvals import _is_person
-
-    Approval.objects.filter(pk=approval.pk).update(
-        status=status, decided_by=user if _is_person(user) else None, decided_at=now, note=note)
-    left = Approval.objects.filter(job_id=job.pk, status=ApprovalStatus.REQUESTED).exclude(
-        pk=approval.pk).count()
-    data = {"approval": approval.pk, "hash": approval.proposal_hash, "verb": verb,
-            "open": left}
-    message = f"{verb}: {approval.summary}" + (f" — {note}" if note else "")
-    if left:
-        JobEvent.objects.create(job_id=job.pk, kind=EventKind.APPROVAL, step=approval.step,
-                                actor=audit.actor(user), from_state=job.state, to_state=job.state,
-                                message=f"{message}; {left} more to decide", data=data)
-    else:
-        ok = locking.transition(
-            job, PENDING, expect=AWAITING_APPROVAL, actor=audit.actor(user), step=approval.step,
-            kind=EventKind.APPROVAL, message=f"{message}; every proposal decided, resuming",
-            data=data, fields={"next_run_at": Now(), "attempts": 0, "lease_until": None,
-                               "lease_owner": None, "last_error": ""},
-        )
-        if not ok:
-            raise OperatorError(f"Job {job.pk} moved while you were deciding; reload.")
-        locking.notify("durable_jobs", job.workflow)
-    audit.admin_log(user, approval, f"{verb} {approval.proposal_hash[:12]}. {note}".strip())
+# Grants (operators) ----------------------------------------------------------------------
 
 
 def _amount(value, what):
@@ -433,8 +286,6 @@ def _amount(value, what):
 
 def grant(job_id, *, turns=0, budget=None, user=None, reason=""):
     """Give a parked agent more turns and/or budget, and let it go on (permission, reason, audit)."""
-    from .services import _get_for_update
-
     if user is not None and not isinstance(user, str) and not (
             user.is_active and user.has_perm(GRANT_PERMISSION)):
         raise DecisionForbidden(f"You may not grant turns or budget (the permission"
@@ -447,7 +298,10 @@ def grant(job_id, *, turns=0, budget=None, user=None, reason=""):
     if not more_turns and not more_budget:
         raise OperatorError("Grant at least one more turn or some budget.")
     with transaction.atomic():
-        job = _get_for_update(job_id)
+        try:
+            job = Job.objects.select_for_update().get(pk=job_id)
+        except Job.DoesNotExist:
+            raise OperatorError(f"There is no job {job_id!r}") from None
         workflow = job.definition
         if not is_agent(workflow):
             raise OperatorError(f"Job {job.pk} is not an agent's: it has no turns or budget")
@@ -469,9 +323,9 @@ def grant(job_id, *, turns=0, budget=None, user=None, reason=""):
         if not ok:
             raise OperatorError(f"Job {job.pk} moved while you were acting on it; reload")
         audit.admin_log(user, job, f"grant {more_turns} turns, {more_budget} budget. {reason}")
-        locking.notify("durable_jobs", job.workflow)
+        locking.notify(locking.JOBS_CHANNEL, job.workflow)
     job.refresh_from_db()
     return job
 
 
-__all__ = ["act", "grant", "propose_turn", "settle", "step_of_row"]
+__all__ = ["act", "grant", "propose_turn"]

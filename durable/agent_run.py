@@ -16,8 +16,8 @@ import logging
 import time
 from decimal import Decimal
 
-from . import faults, locking
-from .agents import RUNNING, Divergence, DuplicateKey, Suspended, ToolError
+from . import agent_actions, faults, locking
+from .agents import RUNNING, Divergence, DuplicateKey, Suspended, ToolError, parsed
 from .exceptions import LeaseLost
 from .formats import money
 from .identity import storable_json
@@ -34,17 +34,6 @@ def fingerprint(value):
     text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
                       default=str)
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def parsed(call):
-    """(arguments, problems) of a tool call whose arguments are the model's JSON text."""
-    arguments = call.arguments
-    if isinstance(arguments, dict):
-        return arguments, []
-    try:
-        return call.parsed_arguments(), []
-    except (ValueError, TypeError, AttributeError) as exc:
-        return None, [f"the arguments are not a JSON object ({exc}): {str(arguments)[:200]!r}"]
 
 
 class Memo:
@@ -124,32 +113,32 @@ class AgentRun:
                 result = result.value
             output_json = storable_json(result)
         except NeedsHuman as signal_:
-            return runner._needs_human(started, signal_.reason)
+            return runner.needs_human(started, signal_.reason)
         except Divergence as exc:
-            return runner._needs_human(started, f"divergence: {exc}")
+            return runner.needs_human(started, f"divergence: {exc}")
         except Suspended as signal_:
-            runner._signal_finished(started, signal_.outcome)
+            runner.finished(started, signal_.outcome)
             return None
         except WaitingOn as waiting:
-            return runner._suspend(started, waiting)
+            return runner.suspend(started, waiting)
         except LeaseLost:
-            runner._lost(started)
+            runner.lost(started)
             return None
         except ModelReplyInvalid as exc:
             # Kept for the operator: last_error names what the model sent.
             raw = str(exc.raw or "")[:1500]
             kept = ModelReplyInvalid(f"{exc}; the reply was: {raw}" if raw else str(exc), raw=raw)
-            return runner._failed(started, kept, time.monotonic() - began)
+            return runner.fail_step(started, kept, time.monotonic() - began)
         except Exception as exc:  # noqa: BLE001 - the run's retry policy classifies it
-            return runner._failed(started, exc, time.monotonic() - began)
+            return runner.fail_step(started, exc, time.monotonic() - began)
         finally:
             if runner.heartbeat is not None:
                 runner.heartbeat.unwatch()
         self._report_changes()
         started.memos = {}
         duration = datetime.timedelta(seconds=time.monotonic() - began)
-        return runner._complete(started, json.loads(output_json), Decimal(0), duration,
-                                write_memo=False, output_json=output_json)
+        return runner.complete(started, json.loads(output_json), Decimal(0), duration,
+                               write_memo=False, output_json=output_json)
 
     def _watch(self):
         """Watch the run: its lease is renewed while it runs, and each call has the step timeout."""
@@ -406,8 +395,6 @@ class AgentContext:
         Bad input from the model is data: an unknown tool or arguments that fail the
         tool's schema give an error result the model reads, not a crash.
         """
-        from . import agent_actions
-
         run = self._run
         key = run.use_key(key)
         tool = run.workflow.tools_by_name.get(call.name)
@@ -444,8 +431,6 @@ class AgentContext:
         Every proposal of the turn is written before any of them is decided, and the run
         resumes only when all are decided.
         """
-        from . import agent_actions
-
         calls = list(getattr(calls, "tool_calls", calls))
         keyed, seen = [], set()
         for index, call in enumerate(calls):

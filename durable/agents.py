@@ -222,6 +222,17 @@ def is_agent(workflow):
     return getattr(workflow, "runs_itself", False)
 
 
+def parsed(call):
+    """(arguments, problems) of a tool call whose arguments are the model's JSON text."""
+    arguments = call.arguments
+    if isinstance(arguments, dict):
+        return arguments, []
+    try:
+        return call.parsed_arguments(), []
+    except (ValueError, TypeError, AttributeError) as exc:
+        return None, [f"the arguments are not a JSON object ({exc}): {str(arguments)[:200]!r}"]
+
+
 class AgentWorkflow(Workflow, register=False):
     """Base class of agent workflows: override ``run(ctx, payload)``.
 
@@ -272,12 +283,6 @@ class AgentWorkflow(Workflow, register=False):
 
     def tool_specs(self):
         return [t.spec() for t in self.tools]
-
-    def execute(self, runner, started):
-        """Run ``run()`` from the top under the runner's lease (called by the runner)."""
-        from .agent_run import AgentRun
-
-        return AgentRun(self, runner, started).go()
 
 
 __all__ = [

@@ -1,7 +1,7 @@
-"""The outbox: actions written with their step, and the dispatcher that sends them.
+"""The dispatcher: it sends the actions the outbox holds and records what it learned.
 
 An action step returns ``Action(destination, operation, values)`` instead of doing
-anything. ``enqueue_action`` writes it as an Outbox row in the transaction that moves
+anything; ``durable.outbox`` writes it as an Outbox row in the transaction that moves
 the job to ``in_flight_<step>``. The dispatcher claims due rows under a lease (like
 jobs), commits *attempted* before it sends, sends with the row's stable idempotency
 key, and records what it learned:
@@ -17,7 +17,6 @@ A row found *attempted* by a claim (its dispatcher died between marking and
 recording) is unknown: it was perhaps sent.
 """
 
-import datetime
 import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
@@ -33,138 +32,17 @@ from . import destinations, faults, locking, schedules
 from .conf import durable_settings
 from .destinations import Outcome, Request
 from .exceptions import UnknownDestination, UnknownWorkflow
-from .identity import action_identity, wire_values
-from .models import EventKind, Job, JobEvent, Outbox, OutboxStatus, Pause, StepResult
+from .models import EventKind, Job, JobEvent, Outbox, OutboxStatus, Pause
+from .outbox import ActionContext, check_before_dispatch, complete, fail, step_of_row
 from .process import Drains, Waiter, keep_connections_healthy, worker_id
 from .retry import backoff, scrub
 from .signals import job_finished
 from .states import CANCELLED
-from .workflows import Action, registry
+from .workflows import registry
 
 logger = logging.getLogger("durable.dispatch")
 
 OUTBOX_CHANNEL = locking.OUTBOX_CHANNEL
-
-
-# Enqueueing (called by the runner, under the job's lease) ---------------------------------
-
-
-def _requires_approval(st, action, ctx):
-    if not st.approval:
-        return False
-    if st.approval is True or not callable(st.approval):
-        return True
-    try:
-        return bool(st.approval(action, ctx))
-    except Exception:  # noqa: BLE001 - a predicate that fails cannot waive approval
-        logger.exception("approval predicate of step %s failed; approval required", st.name)
-        return True
-
-
-def _validate(action):
-    if not isinstance(action, Action):
-        raise TypeError(f"an action step must return durable.Action, not {type(action).__name__}")
-    for name in ("destination", "operation"):
-        value = getattr(action, name)
-        if not isinstance(value, str) or not value or len(value) > 100:
-            raise ValueError(f"Action.{name} must be a non-empty string of at most 100 characters")
-    destinations.get(action.destination)  # UnknownDestination (poison) before anything is written
-    return wire_values(action.values)
-
-
-def enqueue_action(runner, started, action, ctx, cost, duration):
-    """Write ``action`` to the outbox and move the job in flight, in one fenced transaction.
-
-    Returns None: the job leaves this worker; the dispatcher owns its next move.
-    """
-    claimed, st, states = started.claimed, started.step, started.states
-    try:
-        values = _validate(action)
-        approval = _requires_approval(st, action, ctx)
-        if approval:
-            try:
-                from .approvals import request_approval
-            except ImportError:
-                raise ImproperlyConfigured(
-                    f"step {st.name} needs approval, but durable.approvals is not available;"
-                    " nothing was proposed or sent"
-                ) from None
-    except Exception as exc:  # noqa: BLE001 - classified (mostly poison) by the step's policy
-        return runner._failed(started, exc, duration.total_seconds())
-    if approval:
-        return request_approval(runner, started, action, ctx, cost, duration)
-
-    params, key = action_identity(claimed.id, st.name, action.destination, action.operation,
-                                  values)
-    token = claimed.lease_token
-    data = {"phase": "enqueued", "key": key, "destination": action.destination,
-            "operation": action.operation, "attempt": started.attempt, "cost": str(cost),
-            "ms": round(duration.total_seconds() * 1000, 3)}
-    message = f"{action.operation} on {action.destination} queued"
-    memo = conflict = None
-    with transaction.atomic():
-        row = Outbox.objects.select_for_update().filter(job_id=claimed.id, kind=st.name).first()
-        unsettled = (OutboxStatus.PENDING, OutboxStatus.ATTEMPTED, OutboxStatus.UNKNOWN)
-        if row is not None and row.status == OutboxStatus.SUCCEEDED:
-            # Result confirmed earlier (the step was sent back past it): use the
-            # recorded result, never repeat the action.
-            memo = _memo(row, how="recorded earlier")
-        elif row is not None and row.status in unsettled and row.params_hash != params:
-            conflict = (f"an earlier {row.operation} on {row.destination} for this step is still"
-                        f" {row.status} (key {row.idempotency_key}); settle it before the step"
-                        " may send a different action")
-        else:
-            if row is not None and row.status in unsettled:
-                # The same action, not settled: the dispatcher takes it from its status
-                # (an attempted or unknown one is reconciled, never blindly resent).
-                message = f"{action.operation} on {action.destination} already {row.status}"
-            ok = locking.transition(
-                claimed, states.in_flight, token=token, actor=runner.owner, step=st.name,
-                table=started.table, kind=EventKind.ACTION, message=message, data=data,
-                fields={"lease_until": None, "lease_owner": None, "next_run_at": None,
-                        "last_error": ""},
-            )
-            if not ok:
-                runner._lost(started)
-                return None
-            fresh = {"destination": action.destination, "operation": action.operation,
-                     "payload": values, "params_hash": params, "idempotency_key": key,
-                     "status": OutboxStatus.PENDING, "attempts": 0, "lookups": 0,
-                     "next_attempt_at": Now(), "lease_until": None, "lease_owner": None,
-                     "sent_at": None, "remote_id": "", "response_summary": "", "last_error": ""}
-            if row is None:
-                Outbox.objects.create(job_id=claimed.id, kind=st.name, **fresh)
-            elif row.status in unsettled:
-                Outbox.objects.filter(pk=row.pk).update(next_attempt_at=Now(), updated=Now(),
-                                                        version=F("version") + 1)
-            else:
-                # Requeued after a confirmed failure or a withdrawal: a new dispatch of
-                # this step's action (the same key if the parameters are the same).
-                Outbox.objects.filter(pk=row.pk).update(**fresh, version=F("version") + 1,
-                                                        updated=Now())
-            locking.notify(OUTBOX_CHANNEL, claimed.id)
-    if memo is not None:
-        return runner._complete(started, memo, cost, duration)
-    if conflict is not None:
-        runner._fail(claimed, started.table, states, started.attempt, conflict)
-        return None
-    logger.info("%s job=%s step=%s -> %s: %s (key %s)", runner.owner, claimed.id, st.name,
-                claimed.state, message, key)
-    runner._signal_finished(started, "action")
-    return None
-
-
-def _memo(row, *, how, data=None):
-    """The step's memo for a confirmed action: what the next step reads."""
-    return {
-        "remote_id": row.remote_id,
-        "status": OutboxStatus.SUCCEEDED.value,
-        "response": data if data is not None else row.response_summary,
-        "destination": row.destination,
-        "operation": row.operation,
-        "idempotency_key": row.idempotency_key,
-        "confirmed_by": how,
-    }
 
 
 def _request(row):
@@ -186,19 +64,6 @@ class _Missing(destinations.Destination):
 
     def dispatch(self, request):
         return Outcome.not_sent(self.error)
-
-
-class _Context:
-    """What the dispatcher needs about one claimed row: its job, step and destination."""
-
-    def __init__(self, row, job, workflow, st, states, destination):
-        self.row = row
-        self.job = job
-        self.workflow = workflow
-        self.step = st
-        self.states = states
-        self.table = workflow.table
-        self.destination = destination
 
 
 class Dispatcher(Drains):
@@ -363,7 +228,7 @@ class Dispatcher(Drains):
             destination = destinations.get(row.destination)
         except (UnknownDestination, ImproperlyConfigured) as exc:
             destination = _Missing(row.destination, str(exc))
-        return _Context(row, job, workflow, st, states, destination)
+        return ActionContext(row, job, workflow, st, states, destination)
 
     def _event(self, ctx, message, *, kind=EventKind.ACTION, data=None):
         row = ctx.row
@@ -429,11 +294,6 @@ class Dispatcher(Drains):
         return max(self.lease_seconds, bound + float(durable_settings.LEASE_MARGIN_SECONDS))
 
     def _approved(self, ctx, outbox, job):
-        try:
-            from .approvals import check_before_dispatch
-        except ImportError:
-            self._park(ctx, "this step needs approval, but durable.approvals is not available")
-            return False
         return bool(check_before_dispatch(outbox, job))
 
     def _not_ours(self, ctx):
@@ -480,7 +340,8 @@ class Dispatcher(Drains):
                 return
             row.remote_id, row.response_summary = remote_id, summary
             job = self._lock_job(ctx)
-            memo = _memo(row, how=how, data=_small(data))
+            # The claimed row has the fields a memo names (see locking.ClaimedAction).
+            memo = Outbox.confirmed_memo(row, how, _small(data))
             if job.state in (ctx.states.in_flight, ctx.states.unknown):
                 finished = complete(ctx, memo, actor=self.name,
                                     message=f"{row.operation} on {row.destination} succeeded"
@@ -644,82 +505,6 @@ def _small(data, limit=8192):
     return data if len(text) <= limit else None
 
 
-# Settling the job (shared with durable.reconcile) --------------------------------------------
-
-
-def step_of_row(row, workflow):
-    """The step (and its states) an outbox row belongs to: an action step, or an agent's tool call."""
-    if getattr(workflow, "runs_itself", False):
-        from .agent_actions import step_of_row as agent_step
-
-        return agent_step(row, workflow)
-    st = workflow.steps_by_name[row.kind]
-    return st, next(s for s in workflow.table.steps if s.step == st.name)
-
-
-def _enqueued(job_id, kind):
-    """Cost and duration the step recorded when it produced the action."""
-    data = (JobEvent.objects.filter(job_id=job_id, step=kind, kind=EventKind.ACTION,
-                                    data__phase="enqueued")
-            .order_by("-id").values_list("data", flat=True).first()) or {}
-    try:
-        cost = data.get("cost", "0")
-        ms = float(data.get("ms", 0))
-        attempt = int(data.get("attempt", 1))
-    except (TypeError, ValueError):
-        cost, ms, attempt = "0", 0.0, 1
-    return cost, datetime.timedelta(milliseconds=ms), attempt
-
-
-def complete(ctx, memo, *, actor, message, kind=EventKind.STEP_DONE, data=None):
-    """Write the action step's memo and move the job to the step's done state.
-
-    Inside the caller's transaction; the job row is locked and in flight or unknown.
-    Returns the terminal state when the job finished, else None.
-    """
-    if getattr(ctx.step, "step_key", None):
-        from .agent_actions import settle
-
-        return settle(ctx, memo, actor=actor, message=message, kind=kind, data=data)
-    job, row, states, table = ctx.job, ctx.row, ctx.states, ctx.table
-    terminal = table.is_terminal(states.done)
-    fields = {"attempts": 0, "lease_until": None, "lease_owner": None, "wake_at": None,
-              "next_run_at": None if terminal else Now(), "last_error": ""}
-    if terminal:
-        fields["result"] = memo
-    cost, duration, attempt = _enqueued(row.job_id, row.kind)
-    ok = locking.transition(
-        job, states.done, expect=job.state, actor=actor, step=row.kind, table=table, kind=kind,
-        message=scrub(message), fields=fields,
-        data={"action": row.id, "remote_id": memo["remote_id"], "cost": cost,
-              **(data or {})},
-    )
-    if not ok:
-        return None
-    if not StepResult.objects.filter(job_id=row.job_id, step=row.kind).exists():
-        StepResult.objects.create(job_id=row.job_id, step=row.kind, output=memo, cost=cost,
-                                  duration=duration, attempt=attempt, workflow=job.workflow)
-    if not terminal:
-        locking.notify(locking.JOBS_CHANNEL, job.workflow)
-    return states.done if terminal else None
-
-
-def fail(ctx, error, *, actor, kind=EventKind.FAILED, data=None):
-    """Move the job to the action step's failed state (inside the caller's transaction)."""
-    if getattr(ctx.step, "step_key", None):
-        from .agent_actions import settle_failed
-
-        return settle_failed(ctx, error, actor=actor, kind=kind, data=data)
-    job, row = ctx.job, ctx.row
-    error = scrub(error)
-    return locking.transition(
-        job, ctx.states.failure, expect=job.state, actor=actor, step=row.kind, table=ctx.table,
-        kind=kind, message=error, data={"action": row.id, **(data or {})},
-        fields={"next_run_at": None, "lease_until": None, "lease_owner": None,
-                "last_error": error},
-    )
-
-
 # Waking the dispatcher --------------------------------------------------------------------
 
 
@@ -733,7 +518,7 @@ class OutboxWaiter(Waiter):
         return None if due is None else (due - locking.db_now()).total_seconds()
 
 
-__all__ = ["Dispatcher", "OutboxWaiter", "enqueue_action"]
+__all__ = ["Dispatcher", "OutboxWaiter"]
 
 # Allow DURABLE["DESTINATIONS"] entries to name "durable.dispatch.HttpDestination".
 HttpDestination = destinations.HttpDestination

@@ -9,7 +9,7 @@ import datetime
 from django.conf import settings
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import models
-from django.db.models import Q
+from django.db.models import F, Q
 from django.db.models.functions import Now
 from django.utils.translation import gettext_lazy as _
 
@@ -268,6 +268,16 @@ class OutboxQuerySet(models.QuerySet):
     def unknown(self):
         return self.filter(status=OutboxStatus.UNKNOWN)
 
+    def wake(self, **fields):
+        """Make these rows due now (the dispatcher takes each from its status)."""
+        return self.update(next_attempt_at=Now(), updated=Now(), version=F("version") + 1,
+                           **fields)
+
+    def park(self, why):
+        """Leave these rows for a person: not due, no lease, with the reason."""
+        return self.update(next_attempt_at=None, lease_until=None, lease_owner=None,
+                           last_error=why, version=F("version") + 1, updated=Now())
+
 
 class Outbox(models.Model):
     """An action: an effect that leaves the system, written in its step's transaction."""
@@ -300,6 +310,13 @@ class Outbox(models.Model):
     last_error = models.TextField(_("last error"), blank=True, default="")
     # Bumped on every change: operator decisions are bound to the version they saw.
     version = models.PositiveIntegerField(_("version"), default=1)
+    # What the step that produced the action spent, and on which attempt: they become
+    # the step's memo (its cost, duration and attempt) when the action is confirmed.
+    step_cost = models.DecimalField(_("step cost"), max_digits=18, decimal_places=6, default=0,
+                                    db_default=0)
+    step_duration = models.DurationField(_("step duration"), default=datetime.timedelta(0),
+                                         db_default=datetime.timedelta(0))
+    step_attempt = models.PositiveIntegerField(_("step attempt"), default=1, db_default=1)
     created = models.DateTimeField(_("created"), db_default=Now())
     updated = models.DateTimeField(_("updated"), auto_now=True)
 
@@ -323,6 +340,23 @@ class Outbox(models.Model):
 
     def __str__(self):
         return f"{self.job_id}/{self.kind} → {self.destination} [{self.status}]"
+
+    def confirmed_memo(self, how, data=None):
+        """The step's memo for this action once confirmed: what the next step reads.
+
+        ``how`` says who confirmed it (the dispatch, a lookup, an operator); ``data`` is
+        the destination's decoded reply when it is small enough to keep, else the
+        stored summary stands for it.
+        """
+        return {
+            "remote_id": self.remote_id,
+            "status": OutboxStatus.SUCCEEDED.value,
+            "response": data if data is not None else self.response_summary,
+            "destination": self.destination,
+            "operation": self.operation,
+            "idempotency_key": self.idempotency_key,
+            "confirmed_by": how,
+        }
 
 
 class ApprovalStatus(models.TextChoices):

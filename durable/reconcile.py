@@ -13,9 +13,11 @@ from django.db.models import F
 from django.db.models.functions import Now
 
 from . import audit, destinations, locking
-from .dispatch import OUTBOX_CHANNEL, _Context, complete, step_of_row
+from .conf import durable_settings
 from .exceptions import ActionChanged, DurableError, OperatorError
 from .models import EventKind, Job, JobEvent, Outbox, OutboxStatus
+from .outbox import ActionContext, complete, step_of_row
+from .signals import job_finished
 from .states import CANCELLED
 from .workflows import registry
 
@@ -77,7 +79,7 @@ def _locked(action_id, version, user, reason=""):
         destination = destinations.get(row.destination)
     except Exception:  # noqa: BLE001 - deciding by hand needs no destination
         destination = None
-    return _Context(row, job, workflow, st, states, destination)
+    return ActionContext(row, job, workflow, st, states, destination)
 
 
 def _require(ctx, statuses, verb):
@@ -134,14 +136,12 @@ def lookup_again(action_id, *, version, user=None, reason=""):
                 f"Destination {ctx.row.destination!r} offers no lookup; mark the action"
                 " happened or not happened instead"
             )
-        from .conf import durable_settings
-
         # Exactly one more lookup; if it cannot tell, the action comes back here.
         budget = max(0, int(durable_settings.LOOKUP_ATTEMPTS) - 1)
         _bump(ctx.row, status=OutboxStatus.UNKNOWN, lookups=budget, next_attempt_at=Now())
         _move(ctx, ctx.states.unknown, user, "look up again", reason, version)
         _record(ctx, user, "look up again", reason, version)
-        locking.notify(OUTBOX_CHANNEL, ctx.job.pk)
+        locking.notify(locking.OUTBOX_CHANNEL, ctx.job.pk)
     return ctx.row
 
 
@@ -161,15 +161,11 @@ def mark_happened(action_id, remote_id, *, version, user=None, reason=""):
         _bump(ctx.row, status=OutboxStatus.SUCCEEDED, remote_id=remote_id,
               response_summary=summary, last_error="", next_attempt_at=None)
         _record(ctx, user, "mark happened", f"remote id {remote_id}. {reason}".strip(), version)
-        from .dispatch import _memo
-
-        finished = complete(ctx, _memo(ctx.row, how=f"operator {who}"), actor=who,
+        finished = complete(ctx, ctx.row.confirmed_memo(f"operator {who}"), actor=who,
                             message=f"mark happened: remote id {remote_id}. {reason}".strip(),
                             kind=EventKind.OPERATOR, data={"verb": "mark happened"})
     logger.info("%s marked action %s happened (remote id %s)", audit.actor(user), action_id, remote_id)
     if finished:
-        from .signals import job_finished
-
         job_finished.send(ctx.workflow.name, job_id=ctx.job.pk, state=finished)
     return ctx.row
 
@@ -184,7 +180,7 @@ def mark_not_happened(action_id, *, version, user=None, reason=""):
         _record(ctx, user, "mark not happened", reason, version)
         _move(ctx, ctx.states.in_flight, user, "mark not happened", reason, version,
               fields={"last_error": ""})
-        locking.notify(OUTBOX_CHANNEL, ctx.job.pk)
+        locking.notify(locking.OUTBOX_CHANNEL, ctx.job.pk)
     logger.info("%s marked action %s not happened; dispatching again with key %s",
                 audit.actor(user), action_id, ctx.row.idempotency_key)
     return ctx.row

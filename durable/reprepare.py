@@ -11,16 +11,26 @@ matches), only the action step runs again.
 
 import logging
 
-from . import memos
+from . import locking, memos
+from .identity import version_text
+from .models import StepResult
 from .states import prepare_again_plan
+from .workflows import Context
 
 logger = logging.getLogger("durable.approvals")
 
 
+def context_for(job, st, db_now=None):
+    """Rebuild a step's Context from stored state (for hooks called outside the step)."""
+    step_memos = dict(StepResult.objects.filter(job_id=job.pk).values_list("step", "output"))
+    return Context(
+        job_id=job.pk, workflow=job.workflow, step=st.name, attempt=max(job.attempts, 1),
+        payload=job.payload, memos=step_memos, db_now=db_now or locking.db_now(),
+    )
+
+
 def inputs_changed(job, st, approval):
     """Whether the inputs changed since ``approval`` was prepared (an error counts as changed)."""
-    from .approvals import context_for, version_text
-
     if approval is None:
         return False
     try:

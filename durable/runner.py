@@ -2,6 +2,12 @@
 
 A worker that finishes a step continues the same job under its lease instead of
 releasing and re-claiming it. Every write here is fenced by the lease token.
+
+An action step's action goes to ``durable.outbox``, which returns an outcome the
+runner acts on. The other drivers of a step (an agent's run, ``durable.agent_run``)
+end it through the public methods: ``complete``, ``fail_step``, ``needs_human``,
+``suspend``, ``lost`` and ``finished``. Each returns what the runner continues with
+(None: the job has left this worker).
 """
 
 import datetime
@@ -12,7 +18,8 @@ from decimal import Decimal
 
 from django.db import DataError, transaction
 
-from . import faults, locking
+from . import faults, locking, outbox
+from .agent_run import AgentRun
 from .conf import durable_settings
 from .exceptions import LeaseLost, UnknownWorkflow
 from .identity import storable_json
@@ -23,7 +30,6 @@ from .states import RESUMING_KINDS, StateKind
 from .workflows import Action, Context, NeedsHuman, Wait, WaitingOn, registry
 
 logger = logging.getLogger("durable.worker")
-
 
 
 class Started:
@@ -167,7 +173,7 @@ class Runner:
     def run_step(self, started):
         if getattr(started.workflow, "runs_itself", False):
             # An agent workflow: run() from the top, one memo per call (durable.agent_run).
-            return started.workflow.execute(self, started)
+            return AgentRun(started.workflow, self, started).go()
         claimed, step = started.claimed, started.step
         if started.memos is None:
             started.memos = self._load_memos(claimed.id)
@@ -176,7 +182,7 @@ class Runner:
         if step.name in memos:
             # Memo first: this step committed before (the job was sent back past it).
             logger.info("%s job=%s step=%s memo found, not re-run", self.owner, claimed.id, step.name)
-            return self._complete(started, memos[step.name], Decimal(0), datetime.timedelta(0),
+            return self.complete(started, memos[step.name], Decimal(0), datetime.timedelta(0),
                                   write_memo=False)
         ctx = Context(
             job_id=claimed.id, workflow=started.workflow.name, step=step.name,
@@ -193,16 +199,16 @@ class Runner:
         try:
             returned = started.workflow.call_step(step, data, ctx)
         except NeedsHuman as signal_:
-            return self._needs_human(started, signal_.reason)
+            return self.needs_human(started, signal_.reason)
         except Wait as signal_:
             return self._wait(started, signal_)
         except WaitingOn as waiting:
-            return self._suspend(started, waiting)
+            return self.suspend(started, waiting)
         except LeaseLost:
-            self._lost(started)
+            self.lost(started)
             return None
         except Exception as exc:  # noqa: BLE001 - every failure is classified below
-            return self._failed(started, exc, time.monotonic() - began)
+            return self.fail_step(started, exc, time.monotonic() - began)
         finally:
             if self.heartbeat is not None:
                 self.heartbeat.unwatch()
@@ -219,8 +225,8 @@ class Runner:
                 raise ValueError(f"a step's cost must not be negative (got {cost})")
         except (TypeError, ValueError) as exc:
             # Deterministic: the same code would produce the same output again.
-            return self._failed(started, type(exc)(f"step output refused, it is not storable JSON: {exc}"), 0)
-        return self._complete(started, output, cost, duration, output_json=output_json)
+            return self.fail_step(started, type(exc)(f"step output refused, it is not storable JSON: {exc}"), 0)
+        return self.complete(started, output, cost, duration, output_json=output_json)
 
     def _input_for(self, started):
         index = started.workflow.steps.index(started.step)
@@ -230,8 +236,11 @@ class Runner:
 
     # Committing ----------------------------------------------------------------------
 
-    def _complete(self, started, output, cost, duration, write_memo=True, output_json=None):
-        """Write the memo and advance the state in one transaction; maybe continue."""
+    def complete(self, started, output, cost, duration, write_memo=True, output_json=None):
+        """Write the memo and advance the state in one transaction; maybe continue.
+
+        ``write_memo`` False: the memo exists already (or the driver wrote its own).
+        """
         claimed, step, states, table = started.claimed, started.step, started.states, started.table
         nxt = table.step_starting_at(states.done)
         terminal = table.is_terminal(states.done)
@@ -247,9 +256,9 @@ class Runner:
         except DataError as exc:
             # The database refused the values themselves (not an outage): retrying the
             # same output cannot help, so the step fails here instead of looping.
-            return self._failed(started, exc, 0)
+            return self.fail_step(started, exc, 0)
         if not ok:
-            self._lost(started)
+            self.lost(started)
             return None
         following = self._begin(claimed_next)
         faults.point("after_final_transition" if terminal else "after_commit")
@@ -262,7 +271,7 @@ class Runner:
                 self.owner, claimed.id, step.name, started.attempt,
                 duration.total_seconds() * 1000, cost, claimed.state,
             )
-        self._signal_finished(started, "done")
+        self.finished(started, "done")
         if terminal and job_finished.receivers and job_finished.has_listeners(started.workflow.name):
             job_finished.send(started.workflow.name, job_id=claimed.id, state=claimed.state)
         if not keep_going:
@@ -309,15 +318,38 @@ class Runner:
         return ok, claimed_next
 
     def _action(self, started, action, ctx, cost, duration):
-        """Hand an action to the outbox (see durable.dispatch) in the completing transaction."""
-        from .dispatch import enqueue_action
+        """Hand an action to the outbox in the completing transaction, and act on the outcome."""
+        claimed = started.claimed
+        outcome = outbox.enqueue(started, action, ctx, cost, duration, actor=self.owner)
+        match outcome:
+            case outbox.Confirmed(memo):
+                return self.complete(started, memo, cost, duration)
+            case outbox.Refused(exc):
+                return self.fail_step(started, exc, duration.total_seconds())
+            case outbox.Lost():
+                self.lost(started)
+                return None
+            case outbox.Conflict(message):
+                self._fail(claimed, started.table, started.states, started.attempt, message)
+                self.finished(started, "failed")
+                return None
+            case outbox.Handed(message, key):
+                logger.info("%s job=%s step=%s -> %s: %s (key %s)", self.owner, claimed.id,
+                            started.step.name, claimed.state, message, key)
+                self.finished(started, "action")
+                return None
+            case outbox.Proposed(message):
+                logger.info("%s job=%s step=%s -> %s: %s", self.owner, claimed.id,
+                            started.step.name, claimed.state, message)
+                self.finished(started, "action")
+                return None
+        raise TypeError(f"the outbox returned {outcome!r}")
 
-        return enqueue_action(self, started, action, ctx, cost, duration)
-
-    def _needs_human(self, started, reason):
+    def needs_human(self, started, reason):
+        """Park the step for a person (its ``needs_human`` state), with the reason."""
         states = started.states
         if states.human is None:
-            return self._failed(
+            return self.fail_step(
                 started,
                 TypeError(f"step {started.step.name} raised NeedsHuman but is not declared "
                           f"with needs_human=True: {reason}"),
@@ -329,7 +361,7 @@ class Runner:
     def _wait(self, started, signal_):
         states = started.states
         if states.timer is None:
-            return self._failed(
+            return self.fail_step(
                 started,
                 TypeError(f"step {started.step.name} waited but is not declared with waits=True"),
                 0,
@@ -346,14 +378,14 @@ class Runner:
                         "lease_owner": None},
             )
         if not ok:
-            self._lost(started)
+            self.lost(started)
             return None
         logger.info("%s job=%s step=%s waiting until %s", self.owner, started.claimed.id,
                     started.step.name, until.isoformat())
-        self._signal_finished(started, "waiting")
+        self.finished(started, "waiting")
         return None
 
-    def _suspend(self, started, waiting):
+    def suspend(self, started, waiting):
         """Park the step on a signal or its children: no lease, due at the deadline or on a wake."""
         from .inbox import park
 
@@ -361,7 +393,7 @@ class Runner:
         state, option, call = ((states.signal, "signals", "wait_for") if waiting.kind == "signal"
                                else (states.join, "joins", "join"))
         if state is None:
-            return self._failed(
+            return self.fail_step(
                 started,
                 TypeError(f"step {started.step.name} called ctx.{call}() but is not declared with "
                           f"{option}=True"),
@@ -381,14 +413,15 @@ class Runner:
             if ok:
                 park(started.claimed, waiting)
         if not ok:
-            self._lost(started)
+            self.lost(started)
             return None
         logger.info("%s job=%s step=%s waiting for %s", self.owner, started.claimed.id,
                     started.step.name, what)
-        self._signal_finished(started, "waiting")
+        self.finished(started, "waiting")
         return None
 
-    def _failed(self, started, exc, elapsed):
+    def fail_step(self, started, exc, elapsed):
+        """Classify ``exc`` by the step's retry policy: retry later, or fail the step."""
         decision = classify(exc, started.step.retry)
         error = describe(exc)
         max_attempts, base, cap = started.step.retry.resolved()
@@ -400,7 +433,7 @@ class Runner:
         why = "poison" if not decision.retryable else f"gave up after {started.attempt} attempts"
         self._fail(started.claimed, started.table, started.states, started.attempt,
                    f"{error} ({why})", actor=self.owner)
-        self._signal_finished(started, "failed")
+        self.finished(started, "failed")
         return None
 
     def _retry(self, started, error, delay, reason):
@@ -415,12 +448,12 @@ class Runner:
                         "lease_owner": None, "last_error": error},
             )
         if not ok:
-            self._lost(started)
+            self.lost(started)
             return None
         faults.point("during_backoff")
         logger.warning("%s job=%s step=%s attempt=%d retry in %.2fs: %s", self.owner, claimed.id,
                        started.step.name, started.attempt, delay, error)
-        self._signal_finished(started, "retry")
+        self.finished(started, "retry")
         return None
 
     def _fail(self, claimed, table, states, attempt, error, actor=None, kind=EventKind.FAILED):
@@ -448,20 +481,22 @@ class Runner:
                         "last_error": message},
             )
         if not ok:
-            self._lost(started)
+            self.lost(started)
             return None
         logger.info("%s job=%s step=%s -> %s: %s", self.owner, claimed.id, started.step.name,
                     state, message)
-        self._signal_finished(started, outcome)
+        self.finished(started, outcome)
         return None
 
-    def _lost(self, started):
+    def lost(self, started):
+        """The lease was lost (or the job moved): nothing of this run is recorded."""
         logger.warning(
             "%s job=%s step=%s: lease lost or job moved (cancelled?); result discarded",
             self.owner, started.claimed.id, started.step.name,
         )
 
-    def _signal_finished(self, started, outcome):
+    def finished(self, started, outcome):
+        """Send ``step_finished`` for the step, with how it ended (done, action, waiting, …)."""
         if step_finished.receivers and step_finished.has_listeners(started.workflow.name):
             step_finished.send(started.workflow.name, job_id=started.claimed.id,
                                step=started.step.name, outcome=outcome,
@@ -475,4 +510,4 @@ class Runner:
 
         exc = StepTimeout(f"step {started.step.name} ran {elapsed:.1f}s, past its timeout of "
                           f"{started.step.effective_timeout}s")
-        self._failed(started, exc, elapsed)
+        self.fail_step(started, exc, elapsed)

@@ -126,17 +126,6 @@ def test_a_bad_action_fails_its_step_clearly_and_writes_nothing(run_worker_inlin
     assert not Outbox.objects.exists()
 
 
-def test_an_action_needing_approval_is_refused_without_the_approval_machinery(
-        run_worker_inline, monkeypatch):
-    monkeypatch.setitem(sys.modules, "durable.approvals", None)  # import fails
-    durable.submit("actions_needing_approval", "a1", {})
-    run_worker_inline()
-
-    assert job("a1").state == "failed_send"
-    assert "needs approval, but durable.approvals is not available" in job("a1").last_error
-    assert not Outbox.objects.exists()
-
-
 # Outcomes
 
 

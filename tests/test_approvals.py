@@ -218,6 +218,21 @@ def test_approving_sends_the_approved_values_exactly_once(propose, approver, ref
     assert memo.cost == Decimal("0.01")  # the proposing run's cost, kept until confirmed
 
 
+def test_the_proposing_runs_cost_is_kept_on_the_action_row_until_it_is_confirmed(
+        propose, approver, receiver):
+    approval = propose()
+    row = outbox()
+    assert (row.step_cost, row.step_attempt) == (Decimal("0.01"), 1)
+    # The memo takes them from the row, not from the job's history.
+    JobEvent.objects.filter(job_id="job-1", data__phase="enqueued").delete()
+    approvals.approve(approval.pk, approval.proposal_hash, approver)
+    dispatch_all()
+
+    memo = StepResult.objects.get(job_id="job-1", step="refund")
+    assert (memo.cost, memo.attempt, memo.duration) == (
+        Decimal("0.01"), 1, row.step_duration)
+
+
 def test_a_decision_is_recorded_in_the_timeline_and_the_admin_log(propose, approver):
     approval = propose()
     approvals.approve(approval.pk, approval.proposal_hash, approver, "ok")
