@@ -219,7 +219,7 @@ def test_approving_sends_the_approved_values_exactly_once(propose, approver, ref
 
 
 def test_the_proposing_runs_cost_is_kept_on_the_action_row_until_it_is_confirmed(
-        propose, approver, receiver):
+        propose, approver, refunds):
     approval = propose()
     row = outbox()
     assert (row.step_cost, row.step_attempt) == (Decimal("0.01"), 1)
