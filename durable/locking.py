@@ -28,7 +28,7 @@ from . import sql
 from .exceptions import IllegalTransition
 from .models import EventKind, Job, JobEvent, Outbox
 from .sql import JOBS_CHANNEL, OUTBOX_CHANNEL, database, pg_execute, sqlite_datetime, sqlite_execute, sqlite_transaction
-from .states import RESUMING_KINDS, SETTLED_KINDS, StateKind
+from .states import RESUMING_KINDS, SETTLED_KINDS, WOKEN, StateKind
 
 
 def is_postgres(conn=None):
@@ -96,17 +96,19 @@ class Starts:
             table = definition.table
             for state, kind in table.kinds.items():
                 if kind in (StateKind.INITIAL, StateKind.READY):
-                    states, timer = table.step_starting_at(state), False
+                    states, woken = table.step_starting_at(state), None
                 elif kind in RESUMING_KINDS:
-                    states, timer = table.step_of(state), True
+                    states, woken = table.step_of(state), WOKEN[kind]
                 else:
                     continue
                 if states is not None:
-                    self.by_state[(definition.name, state)] = (states.working, states.step, timer)
-        rows = [(wf, state, *target) for (wf, state), target in self.by_state.items()]
+                    self.by_state[(definition.name, state)] = (states.working, states.step, woken)
+        rows = [(wf, state, working, step, woken is not None, woken or "")
+                for (wf, state), (working, step, woken) in self.by_state.items()]
         self.arrays = {
             f"start_{name}": [row[i] for row in rows]
-            for i, name in enumerate(("workflows", "states", "working", "steps", "timers"))
+            for i, name in enumerate(("workflows", "states", "working", "steps", "timers",
+                                      "messages"))
         }
 
 
@@ -163,13 +165,14 @@ def _sqlite_claim(db, owner, lease_seconds, workflows, queues, starts):
     if picked is None:
         return None
     job_id, previous_owner, workflow, previous_state = picked
-    working, started_step, timer = (starts or _NO_STARTS).by_state.get((workflow, previous_state),
-                                                                       (None, None, False))
+    working, started_step, woken = (starts or _NO_STARTS).by_state.get((workflow, previous_state),
+                                                                       (None, None, None))
+    timer = woken is not None
     modifier = sqlite_delta(lease_seconds)
     row = sqlite_execute(sql.SQLITE_TAKE_JOB, (owner, modifier, modifier, working, working, timer,
                                                job_id), db).fetchone()
     if started_step is not None:
-        message = "timer fired" if timer else f"attempt {row[3]}"
+        message = woken if timer else f"attempt {row[3]}"
         sqlite_execute(sql.SQLITE_EVENT, (job_id, EventKind.CLAIMED.value, previous_state, working,
                                           started_step, owner, message, None), db)
     return _claimed(row, owner, previous_owner=previous_owner, started_step=started_step)

@@ -26,7 +26,7 @@ from .identity import storable_json
 from .models import EventKind, StepResult
 from .retry import backoff, classify, describe, scrub
 from .signals import job_finished, step_finished, step_started
-from .states import RESUMING_KINDS, StateKind
+from .states import RESUMING_KINDS, WOKEN, StateKind
 from .workflows import Action, Context, NeedsHuman, Wait, WaitingOn, registry
 
 logger = logging.getLogger("durable.worker")
@@ -126,7 +126,7 @@ class Runner:
             attempt = max(claimed.attempts, 1)
             ok = locking.transition(
                 claimed, states.working, token=token, actor=self.owner, step=step.name,
-                kind=EventKind.CLAIMED, message="timer fired", table=table,
+                kind=EventKind.CLAIMED, message=WOKEN[kind], table=table,
                 fields={"attempts": attempt},
             )
         elif kind == StateKind.WORKING:

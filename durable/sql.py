@@ -96,17 +96,18 @@ WITH candidate AS (
                         ELSE j.attempts + 1 END
     FROM candidate c
     LEFT JOIN unnest(%(start_workflows)s::text[], %(start_states)s::text[],
-                     %(start_working)s::text[], %(start_steps)s::text[], %(start_timers)s::bool[])
-              AS s(workflow, state, working, step, timer)
+                     %(start_working)s::text[], %(start_steps)s::text[], %(start_timers)s::bool[],
+                     %(start_messages)s::text[])
+              AS s(workflow, state, working, step, timer, woken)
            ON s.workflow = c.workflow AND s.state = c.state
     WHERE j.id = c.id
     RETURNING j.id, j.workflow, j.state, j.attempts, j.lease_token, j.payload::text AS payload,
               j.wake_at, statement_timestamp() AS now, c.previous_owner, c.state AS previous_state,
-              s.step, s.timer, j.parent_id, j.created
+              s.step, s.timer, s.woken, j.parent_id, j.created
 ), started AS (
     INSERT INTO durable_jobevent (job_id, at, kind, from_state, to_state, step, actor, message, data)
     SELECT id, now, 'claimed', previous_state, state, step, %(owner)s,
-           CASE WHEN timer THEN 'timer fired' ELSE 'attempt ' || attempts END, NULL
+           CASE WHEN timer THEN woken ELSE 'attempt ' || attempts END, NULL
     FROM taken WHERE step IS NOT NULL
 )
 SELECT id, workflow, state, attempts, lease_token, payload, wake_at, now, previous_owner, step,

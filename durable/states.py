@@ -44,6 +44,12 @@ CLAIMABLE_KINDS = frozenset({StateKind.INITIAL, StateKind.READY, StateKind.WORKI
                              StateKind.SIGNAL, StateKind.JOIN})
 # The kinds a waiting step resumes from like a timer: the step runs again from the top.
 RESUMING_KINDS = frozenset({StateKind.TIMER, StateKind.SIGNAL, StateKind.JOIN})
+# What the claim event of a resumed step says, by the kind it resumed from.
+WOKEN = {
+    StateKind.TIMER: "timer fired",
+    StateKind.SIGNAL: "woken: a signal arrived or its deadline passed",
+    StateKind.JOIN: "woken: its children finished or its deadline passed",
+}
 # The kinds a parent's join counts a child as finished in (failed: until it is requeued).
 SETTLED_KINDS = frozenset({StateKind.TERMINAL, StateKind.FAILED})
 

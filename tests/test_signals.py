@@ -235,3 +235,13 @@ def test_a_webhook_source_needs_exactly_one_credential(settings):
     found = {(p.obj, p.id) for p in check_webhooks(None)}
     assert found == {("both", "durable.E080"), ("none", "durable.E080"), ("typo", "durable.E080"),
                      ("short", "durable.W081")}
+
+
+def test_the_claim_that_resumes_a_wait_says_a_signal_woke_it_not_a_timer():
+    durable.submit("confirm", "j", {})
+    drain()
+    durable.signal("j", "confirmed", {"n": 1}, dedupe_key="evt-1")
+    drain()
+    claims = list(JobEvent.objects.filter(job_id="j", kind=EventKind.CLAIMED).order_by("id")
+                  .values_list("message", flat=True))
+    assert claims == ["attempt 1", "woken: a signal arrived or its deadline passed"]
