@@ -67,13 +67,16 @@ class Claimed:
 
     __slots__ = (
         "id", "workflow", "state", "attempts", "lease_token", "payload", "wake_at",
-        "db_now", "previous_owner", "owner", "started_step", "parent_id", "created",
+        "db_now", "previous_owner", "owner", "started_step", "parent_id", "created", "fresh",
     )
 
-    def __init__(self, started_step=None, parent_id=None, created=None, **kw):
+    def __init__(self, started_step=None, parent_id=None, created=None, fresh=False, **kw):
         self.started_step = started_step
         self.parent_id = parent_id
+        # When the job was submitted, and whether nothing touched it since (this is its
+        # first claim: no earlier attempt, wait or operator verb left a trace to read).
         self.created = created
+        self.fresh = fresh
         for k, v in kw.items():
             setattr(self, k, v)
 
@@ -164,7 +167,7 @@ def _sqlite_claim(db, owner, lease_seconds, workflows, queues, starts):
                             params, db).fetchone()
     if picked is None:
         return None
-    job_id, previous_owner, workflow, previous_state = picked
+    job_id, previous_owner, workflow, previous_state, previous_updated = picked
     working, started_step, woken = (starts or _NO_STARTS).by_state.get((workflow, previous_state),
                                                                        (None, None, None))
     timer = woken is not None
@@ -175,7 +178,8 @@ def _sqlite_claim(db, owner, lease_seconds, workflows, queues, starts):
         message = woken if timer else f"attempt {row[3]}"
         sqlite_execute(sql.SQLITE_EVENT, (job_id, EventKind.CLAIMED.value, previous_state, working,
                                           started_step, owner, message, None), db)
-    return _claimed(row, owner, previous_owner=previous_owner, started_step=started_step)
+    return _claimed((*row, previous_updated == row[-1]), owner, previous_owner=previous_owner,
+                    started_step=started_step)
 
 
 def _claimed(row, owner, previous_owner, started_step):
@@ -191,9 +195,10 @@ def _claimed(row, owner, previous_owner, started_step):
         previous_owner=previous_owner,
         owner=owner,
         started_step=started_step,
-        # The last two columns of both dialects' claims.
-        parent_id=row[-2],
-        created=sqlite_datetime(row[-1]),
+        # The last three columns of both dialects' claims.
+        parent_id=row[-3],
+        created=sqlite_datetime(row[-2]),
+        fresh=bool(row[-1]),
     )
 
 

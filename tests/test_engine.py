@@ -370,3 +370,14 @@ def test_step_signals_reach_receivers_connected_for_one_workflow():
         job_finished.disconnect(on_job, sender="recorded")
     assert seen == [("recorded", "a", "done"), ("recorded", "b", "done"), ("recorded", "c", "done"),
                     ("recorded", "job", "c_done")]
+
+
+def test_the_claim_says_whether_the_job_is_untouched_since_it_was_submitted():
+    """Claimed.fresh: the first claim of a submitted job, never one after an attempt or a wait."""
+    durable.submit("recorded", "j", {})
+    first = locking.claim_job("w1", 30)
+    assert first.fresh is True and first.created == Job.objects.get(pk="j").created
+    # Its lease expires mid-step: the claim that takes it over is not a first claim.
+    Job.objects.filter(pk="j").update(lease_until=locking.now_plus(-1), next_run_at=locking.now_plus(-1))
+    again = locking.claim_job("w2", 30)
+    assert again.id == "j" and again.fresh is False
