@@ -18,9 +18,11 @@ from django.db.models import Q
 
 from . import faults, locking
 from .exceptions import IdempotencyConflict, PayloadInvalid
-from .inbox import fence, recorded, resolve, wake
 from .models import EventKind, Job, JobEvent, Wait, WaitKind
 from .states import CANCELLED, SETTLED_KINDS, StateKind
+from .submission import submit
+from .waits import deadline, fence, recorded, resolve, wake
+from .workflows import WaitingOn, registry
 
 
 def child_id(parent_id, workflow, key):
@@ -35,8 +37,6 @@ def child_id(parent_id, workflow, key):
 
 def spawn_many(ctx, workflow, children, queue="default"):
     """Submit the children ``{key: payload}`` of the running job in one fenced transaction."""
-    from .services import submit
-
     if not children:
         return []
     ids = [child_id(ctx.job_id, workflow, key) for key in children]
@@ -67,8 +67,6 @@ _cache = {}
 
 
 def _kinds_q(kinds):
-    from .workflows import registry
-
     key = (registry.generation, kinds)
     cached = _cache.get(key)
     if cached is None:
@@ -110,8 +108,6 @@ def open_children(parent_id, children):
 
 def outcomes(parent_id, children):
     """Each child's outcome, as (id, {...}) pairs in key order."""
-    from .workflows import registry
-
     rows = {row["id"]: row for row in Job.objects.filter(parent_id=parent_id).values(
         "id", "workflow", "state", "result", "last_error")}
     found = []
@@ -136,9 +132,6 @@ def outcomes(parent_id, children):
 
 def join(ctx, children, timeout=None, key=None):
     """``ctx.join``: {child id: outcome} in key order once all finished (or the deadline passed)."""
-    from .inbox import _deadline
-    from .workflows import WaitingOn
-
     children = list(children)
     key = key or ctx.key("join", "")
     wait, result = recorded(ctx, key)
@@ -146,18 +139,18 @@ def join(ctx, children, timeout=None, key=None):
         return dict(result)
     with transaction.atomic():
         fence(ctx)
-        deadline = _deadline(ctx, wait, timeout)
+        until = deadline(ctx, wait, timeout)
         still = open_children(ctx.job_id, children)
-        expired = deadline is not None and locking.db_now() >= deadline
+        expired = until is not None and locking.db_now() >= until
         if not still or expired:
             pairs = outcomes(ctx.job_id, children)
             resolve(ctx, key, WaitKind.JOIN, "", "joined" if not still else "timed_out",
-                    [list(p) for p in pairs], deadline=deadline, data={"children": children})
+                    [list(p) for p in pairs], deadline=until, data={"children": children})
             return dict(pairs)
     # A join of every child the parent has is named "*": its wake-up then asks only
     # whether any child is open, without reading the list back.
     everyone = Job.objects.filter(parent_id=ctx.job_id).count() == len(set(children))
-    raise WaitingOn(WaitKind.JOIN, key, EVERY_CHILD if everyone else "", deadline,
+    raise WaitingOn(WaitKind.JOIN, key, EVERY_CHILD if everyone else "", until,
                     data={"children": children})
 
 

@@ -42,12 +42,11 @@ class IllegalTransition(DurableError):
 class LeaseLost(DurableError):
     """The worker no longer holds the job's lease; its write was refused (fenced).
 
-    Safe: another worker (or an operator) owns the job now; the caller must stop.
+    Raised inside a running step by what writes under the lease (``ctx.wait_for``,
+    ``ctx.spawn`` and ``ctx.join``, an agent's calls and actions) when the lease token
+    moved on; the runner catches it and records nothing. Safe: another worker (or an
+    operator) owns the job now; the caller must stop.
     """
-
-
-class StaleState(DurableError):
-    """The job moved since the caller read it (compare-and-swap lost). Re-read and decide again."""
 
 
 class OperatorError(DurableError):
@@ -67,10 +66,6 @@ class ActionChanged(OperatorError):
 
     Nothing changed. Reload the action and decide again on what it says now.
     """
-
-
-class WorkflowConfigurationError(DurableError):
-    """A workflow or transition table is malformed; raised at declaration time."""
 
 
 # Errors a step raises to steer retry decisions.

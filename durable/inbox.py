@@ -20,7 +20,6 @@ state (declare the step with ``signals=True``), holding no lease, due again at t
 deadline; past it the wait records ``TIMED_OUT`` once and returns it from then on.
 """
 
-import datetime
 import json
 import uuid
 
@@ -28,9 +27,13 @@ from django.db import transaction
 from django.db.models.functions import Now
 
 from . import locking
-from .exceptions import JobFinished, LeaseLost, PayloadInvalid, SignalConflict, UnknownJob
+from .children import open_children
+from .exceptions import JobFinished, PayloadInvalid, SignalConflict, UnknownJob
+from .identity import same_json
 from .models import EventKind, Job, JobEvent, Signal, Wait, WaitKind
-from .workflows import TIMED_OUT
+from .submission import normalise_payload
+from .waits import deadline, fence, recorded, resolve, wake
+from .workflows import TIMED_OUT, WaitingOn, registry
 
 
 def _text(value, what, limit):
@@ -49,16 +52,13 @@ def signal(job_key, name, payload=None, *, dedupe_key=None, source="api"):
     caller's transaction. Raises ``UnknownJob``, ``JobFinished``, ``SignalConflict``
     (same dedupe key, another payload) or ``PayloadInvalid``; each writes nothing.
     """
-    from .identity import same_json
-    from .services import _normalise_payload
-
     name = _text(name, "name", Signal._meta.get_field("name").max_length)
     if dedupe_key is None:
         dedupe_key = uuid.uuid4().hex
     dedupe_key = _text(dedupe_key, "dedupe key", Signal._meta.get_field("dedupe_key").max_length)
     if not isinstance(job_key, str) or not job_key:
         raise UnknownJob(f"There is no job {job_key!r}")
-    payload = json.loads(_normalise_payload({"v": payload}, as_json=True))["v"]
+    payload = json.loads(normalise_payload({"v": payload}, as_json=True))["v"]
     source = str(source or "")[:200]
     with transaction.atomic():
         # The job's row lock orders this delivery against the job parking on its wait.
@@ -93,8 +93,6 @@ def signal(job_key, name, payload=None, *, dedupe_key=None, source="api"):
 
 
 def _is_finished(job):
-    from .workflows import registry
-
     if job.workflow not in registry:
         return False  # not deployed here: keep the signal for when it is
     return job.table.is_terminal(job.state)
@@ -110,50 +108,8 @@ def _wake_for_signal(job, name):
     return wake(job.pk, job.awaiting, job.workflow)
 
 
-def wake(job_id, key, workflow):
-    """Compare-and-swap a job parked on the wait ``key`` to due now; True if this call did it."""
-    woke = bool(Job.objects.filter(pk=job_id, awaiting=key).update(next_run_at=Now(), awaiting=""))
-    if woke:
-        locking.notify(locking.JOBS_CHANNEL, workflow)
-    return woke
-
-
-def fence(ctx):
-    """Lock the job's row for a write of the running step; LeaseLost if the lease is gone."""
-    if not locking.fenced(Job.objects.select_for_update().filter(pk=ctx.job_id),
-                          ctx.lease_token).exists():
-        raise LeaseLost(f"Job {ctx.job_id}: the lease was lost; the wait's result is not recorded")
-
-
-def recorded(ctx, key):
-    """The outcome of the wait ``key`` when it was recorded before, else None."""
-    wait = Wait.objects.filter(job_id=ctx.job_id, key=key).first()
-    if wait is None or not wait.outcome:
-        return wait, None
-    return wait, (TIMED_OUT if wait.outcome == "timed_out" and wait.kind == WaitKind.SIGNAL
-                  else wait.result)
-
-
-def resolve(ctx, key, kind, name, outcome, result, *, signal=None, deadline=None, data=None):
-    """Record a wait's outcome under its key (inside the fenced transaction)."""
-    Wait.objects.update_or_create(
-        job_id=ctx.job_id, key=key,
-        defaults={"kind": kind, "name": name, "outcome": outcome, "result": result,
-                  "signal": signal, "resolved": Now()},
-        create_defaults={"kind": kind, "name": name, "outcome": outcome, "result": result,
-                         "signal": signal, "resolved": Now(), "deadline": deadline, "data": data},
-    )
-    JobEvent.objects.create(
-        job_id=ctx.job_id, kind=EventKind.SIGNAL, step=ctx.step, actor="system",
-        message=f"wait {key}: {outcome.replace('_', ' ')}",
-        data={"key": key, "signal": signal.pk if signal is not None else None},
-    )
-
-
 def wait_for(ctx, name, timeout=None, key=None):
     """``ctx.wait_for``: the oldest unconsumed signal's payload, TIMED_OUT, or park."""
-    from .workflows import WaitingOn
-
     key = key or ctx.key("wait", name)
     wait, outcome = recorded(ctx, key)
     if wait is not None and wait.outcome:
@@ -166,21 +122,11 @@ def wait_for(ctx, name, timeout=None, key=None):
             Signal.objects.filter(pk=sig.pk).update(consumed_key=key, consumed_at=Now())
             resolve(ctx, key, WaitKind.SIGNAL, name, "signal", sig.payload, signal=sig)
             return sig.payload
-        deadline = _deadline(ctx, wait, timeout)
-        if deadline is not None and locking.db_now() >= deadline:
-            resolve(ctx, key, WaitKind.SIGNAL, name, "timed_out", None, deadline=deadline)
+        until = deadline(ctx, wait, timeout)
+        if until is not None and locking.db_now() >= until:
+            resolve(ctx, key, WaitKind.SIGNAL, name, "timed_out", None, deadline=until)
             return TIMED_OUT
-    raise WaitingOn(WaitKind.SIGNAL, key, name, deadline)
-
-
-def _deadline(ctx, wait, timeout):
-    if wait is not None:
-        return wait.deadline
-    if timeout is None:
-        return None
-    if not isinstance(timeout, datetime.timedelta):
-        timeout = datetime.timedelta(seconds=float(timeout))
-    return ctx.db_now + timeout
+    raise WaitingOn(WaitKind.SIGNAL, key, name, until)
 
 
 def park(claimed, waiting):
@@ -190,8 +136,6 @@ def park(claimed, waiting):
     so a signal or a last child committing at the same moment either is seen here or
     sees the job parked: the wake-up cannot fall between the two.
     """
-    from .children import open_children
-
     Wait.objects.get_or_create(
         job_id=claimed.id, key=waiting.key,
         defaults={"kind": waiting.kind, "name": waiting.name, "deadline": waiting.deadline,
@@ -202,3 +146,6 @@ def park(claimed, waiting):
     else:
         ready = not open_children(claimed.id, waiting.data["children"])
     return ready and wake(claimed.id, waiting.key, claimed.workflow)
+
+
+__all__ = ["fence", "park", "recorded", "resolve", "signal", "wait_for", "wake"]

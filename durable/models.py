@@ -19,17 +19,13 @@ class JobQuerySet(models.QuerySet):
         """Jobs a worker may claim now (next_run_at is NULL for everything else)."""
         return self.filter(next_run_at__lte=Now())
 
-    def stuck(self):
-        """Jobs whose lease expired while a step was being worked."""
-        return self.filter(lease_until__lt=Now(), lease_owner__isnull=False).exclude(
-            lease_until__isnull=True
-        )
+    def stuck(self, now=None):
+        """Jobs whose lease expired while a step was being worked (by ``now``, else the database clock).
 
-    def live_lease(self):
-        return self.filter(lease_until__gte=Now())
-
-    def for_workflow(self, name):
-        return self.filter(workflow=name)
+        The one meaning of "stuck": the console's filter, the dashboard, the CLI and the
+        metrics all count these.
+        """
+        return self.filter(lease_owner__isnull=False, lease_until__lt=Now() if now is None else now)
 
 
 class Job(models.Model):
@@ -255,9 +251,12 @@ class OutboxStatus(models.TextChoices):
     UNKNOWN = "unknown", _("unknown")  # sent, but no reliable answer: reconcile before any new write
     CANCELLED = "cancelled", _("cancelled")  # an operator or a cancelled job withdrew it
 
-    @property
-    def is_settled(self):
-        return self in (OutboxStatus.SUCCEEDED, OutboxStatus.FAILED, OutboxStatus.CANCELLED)
+
+# Not settled: not yet sent, or sent with no outcome known. Such an action keeps its job
+# (purge), and a new action with other values is refused while one is open.
+UNSETTLED = frozenset({OutboxStatus.PENDING, OutboxStatus.ATTEMPTED, OutboxStatus.UNKNOWN})
+# Sent (or marked as about to be) and no outcome known: a person may have to reconcile it.
+IN_DOUBT = frozenset({OutboxStatus.ATTEMPTED, OutboxStatus.UNKNOWN})
 
 
 class OutboxQuerySet(models.QuerySet):
@@ -277,6 +276,14 @@ class OutboxQuerySet(models.QuerySet):
         """Leave these rows for a person: not due, no lease, with the reason."""
         return self.update(next_attempt_at=None, lease_until=None, lease_owner=None,
                            last_error=why, version=F("version") + 1, updated=Now())
+
+    def unsettled(self):
+        """Actions not settled yet (``UNSETTLED``): pending, attempted or unknown."""
+        return self.filter(status__in=UNSETTLED)
+
+    def in_doubt(self):
+        """Actions sent whose outcome is not known (``IN_DOUBT``): attempted or unknown."""
+        return self.filter(status__in=IN_DOUBT)
 
 
 class Outbox(models.Model):

@@ -18,11 +18,12 @@ from django.db import transaction
 from django.db.models.functions import Now
 from django.db.utils import DatabaseError, InterfaceError
 
-from . import cron, locking
+from . import cron, locking, tasks
 from .conf import durable_settings
 from .exceptions import IdempotencyConflict
 from .models import Job, ScheduleEvent, ScheduleEventKind, ScheduleState
 from .states import StateKind
+from .submission import submit
 from .workflows import registry
 
 logger = logging.getLogger("durable.schedules")
@@ -95,12 +96,8 @@ def from_setting(name, config, where):
                                    f"{', '.join(sorted(_SETTING_KEYS))})")
     values = {_SETTING_KEYS[k]: v for k, v in config.items()}
     workflow, task = values.pop("workflow", ""), values.pop("task", "")
-    if task:
-        from .tasks import WORKFLOW
-
-        if WORKFLOW not in registry:
-            raise ImproperlyConfigured(
-                f"Schedule {where}: TASK needs TASKS to use durable.tasks.DurableBackend")
+    if task and tasks.WORKFLOW not in registry:
+        raise ImproperlyConfigured(f"Schedule {where}: TASK needs TASKS to use durable.tasks.DurableBackend")
     try:
         schedule = cron.Schedule(name=name, **values)
     except TypeError as exc:
@@ -263,14 +260,10 @@ def _submit(schedule, row, tick):
 
 def submit_run(schedule, key):
     """Submit one run of ``schedule`` under ``key`` (in the caller's transaction); its job key."""
-    from . import services
-
     if schedule.task:
-        from .tasks import enqueue, load_task
-
-        return enqueue(load_task(schedule.task), key=key, **schedule.payload).id
-    return services.submit(schedule.workflow, key, schedule.payload, queue=schedule.queue,
-                           submitted_by=f"schedule:{schedule.name}").pk
+        return tasks.enqueue(tasks.load_task(schedule.task), key=key, **schedule.payload).id
+    return submit(schedule.workflow, key, schedule.payload, queue=schedule.queue,
+                  submitted_by=f"schedule:{schedule.name}").pk
 
 
 def _going(job_id):

@@ -2,98 +2,42 @@
 
 Every verb checks the transition table, writes with a compare-and-swap, and records
 who did it and why in JobEvent (and Django's admin log when a user is given).
+``submit`` (``durable.submission``) and the purge (``durable.purge``) are documented
+here and re-exported.
 """
 
-import contextlib
 import datetime
 import json
 import time
-from dataclasses import dataclass, field
 from decimal import Decimal
 
 from django.core import signing
 from django.core.serializers.json import DjangoJSONEncoder
-from django.db import connection, transaction
+from django.db import transaction
 from django.db.models.functions import Now
 
-from . import audit, identity, locking
-from .conf import durable_settings
-from .exceptions import IdempotencyConflict, OperatorError, PayloadInvalid
-from .memos import keep_costs as keep_memo_costs
+from . import audit, identity, inbox, locking, schedules
+from .children import terminal_q
+from .context import Context
+from .exceptions import OperatorError
 from .memos import record_spend
-from .models import ApprovalStatus, EventKind, Job, JobEvent, OutboxStatus, Pause, StepResult
+from .models import (
+    ApprovalStatus,
+    EventKind,
+    Job,
+    JobEvent,
+    OutboxStatus,
+    Pause,
+    ScheduleEvent,
+    ScheduleEventKind,
+    ScheduleState,
+    StepResult,
+)
+from .purge import Purged, parse_age, purge, purgeable
 from .retry import describe
 from .states import CANCELLED, StateKind
-from .workflows import Action, Context, NeedsHuman, Wait, registry
-
-
-def _normalise_payload(payload, as_json=False):
-    if payload is None:
-        # JSONField stores None as SQL NULL, which the column refuses: say so up front.
-        raise PayloadInvalid("The payload is None; submit {} for a job that needs no input")
-    try:
-        text = json.dumps(payload, cls=DjangoJSONEncoder, sort_keys=True, allow_nan=False)
-    except RecursionError:
-        raise PayloadInvalid("The payload is nested too deeply to be stored as JSON") from None
-    except (TypeError, ValueError) as exc:
-        raise PayloadInvalid(f"The payload is not JSON-serialisable: {exc}") from None
-    # PostgreSQL cannot store U+0000 or a lone surrogate in JSON; SQLite can. Refuse them
-    # everywhere, so a payload accepted in development does not fail in production.
-    if identity.has_nul(text):
-        raise PayloadInvalid("The payload contains a NUL character (U+0000), which cannot be stored")
-    if identity.has_lone_surrogate(text, payload):
-        raise PayloadInvalid("The payload contains a lone UTF-16 surrogate, which is not Unicode")
-    limit = durable_settings.MAX_PAYLOAD_BYTES
-    if len(text.encode()) > limit:
-        raise PayloadInvalid(
-            f"The payload is {len(text.encode())} bytes of JSON, over the limit of {limit}"
-            " (DURABLE['MAX_PAYLOAD_BYTES'])"
-        )
-    return text if as_json else json.loads(text)
-
-
-def submit(workflow, key, payload, *, run_after=None, queue="default", submitted_by=""):
-    """Create the job ``key`` of ``workflow``, or return the existing identical one.
-
-    Idempotent: the same key with the same workflow and payload returns the existing
-    job; with another workflow or payload it raises IdempotencyConflict and writes
-    nothing. Joins the caller's transaction: the job exists if and only if it commits.
-    """
-    definition = registry.get(workflow)
-    if not isinstance(key, str) or not key or len(key) > 255:
-        raise PayloadInvalid("The key must be a non-empty string of at most 255 characters")
-    if "\x00" in key or not identity.is_unicode(key):
-        raise PayloadInvalid("The key contains a NUL character or a lone surrogate")
-    if not isinstance(queue, str) or not queue or len(queue) > Job._meta.get_field("queue").max_length:
-        raise PayloadInvalid("The queue must be a non-empty string of at most 100 characters")
-    payload_json = _normalise_payload(payload, as_json=True)
-    state, by = definition.table.initial, str(submitted_by or "")
-    # One statement of its own; inside a caller's transaction, a savepoint, so that a
-    # refused insert leaves that transaction usable.
-    with transaction.atomic() if connection.in_atomic_block else contextlib.nullcontext():
-        stamps = locking.insert_job(
-            key=key, workflow=definition.name, version=definition.version, queue=queue, state=state,
-            payload_json=payload_json, run_after=run_after, submitted_by=by,
-            message=f"{definition.name} v{definition.version}",
-        )
-    payload = json.loads(payload_json)
-    if stamps is None:
-        existing = Job.objects.filter(pk=key).first()
-        if existing is None:
-            # Deleted (purged) between the insert and this read: a rare race, said plainly.
-            raise IdempotencyConflict(f"Job {key!r} was being replaced while it was submitted; submit again")
-        if existing.workflow != definition.name or not identity.same_json(existing.payload, payload):
-            raise IdempotencyConflict(
-                f"Job {key!r} already exists for workflow {existing.workflow!r} with a different"
-                f" {'workflow' if existing.workflow != definition.name else 'payload'}"
-            ) from None
-        return existing
-    created, updated, next_run_at = stamps
-    job = Job(id=key, workflow=definition.name, workflow_version=definition.version, queue=queue,
-              state=state, payload=payload, submitted_by=by, created=created, updated=updated,
-              next_run_at=next_run_at)
-    job._state.adding, job._state.db = False, connection.alias
-    return job
+from .submission import submit
+from .workflows import Action, NeedsHuman, Wait, registry
 
 
 def _get_for_update(job_id):
@@ -186,13 +130,11 @@ def deliver_signal(job_id, name, payload, *, user=None, reason="", dedupe_key=No
     The same rules as ``durable.signal`` (unknown or finished jobs refused, the dedupe key
     making a second delivery a duplicate); all of it commits together or not at all.
     """
-    from .inbox import signal
-
     reason = " ".join(str(reason or "").split())
     if not reason:
         raise OperatorError("Give a reason; it is recorded in the job's history")
     with transaction.atomic():
-        sig = signal(job_id, name, payload, dedupe_key=dedupe_key,
+        sig = inbox.signal(job_id, name, payload, dedupe_key=dedupe_key,
                      source=f"console:{audit.actor(user)}")
         if not sig.duplicate:
             JobEvent.objects.create(
@@ -205,8 +147,6 @@ def deliver_signal(job_id, name, payload, *, user=None, reason="", dedupe_key=No
 
 def unfinished_children(job_id):
     """Ids of ``job_id``'s child jobs that are not in a terminal state, in key order."""
-    from .children import terminal_q
-
     return list(Job.objects.filter(parent_id=job_id).exclude(terminal_q()).order_by("pk")
                 .values_list("pk", flat=True))
 
@@ -455,122 +395,11 @@ def bulk_cancel(queryset, *, user=None, reason=""):
     return _bulk("cancel", cancel, queryset, user, reason)
 
 
-# Purge ---------------------------------------------------------------------------------
-
-
-_AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-
-
-def parse_age(text):
-    """``"90d"``, ``"12h"``, ``"30m"``, ``"2w"`` or ``"45s"`` as a timedelta."""
-    value = str(text).strip().lower()
-    unit = _AGE_UNITS.get(value[-1:])
-    try:
-        amount = float(value[:-1]) if unit else None
-    except ValueError:
-        amount = None
-    if amount is None or amount <= 0 or amount != amount or amount == float("inf"):
-        raise ValueError(f"{text!r} is not an age: write a positive number and a unit, such as"
-                         " 90d, 12h, 30m, 2w or 45s")
-    return datetime.timedelta(seconds=amount * unit)
-
-
-@dataclass
-class Purged:
-    """What a purge deleted (or, in a dry run, would delete)."""
-
-    jobs: int = 0
-    rows: dict = field(default_factory=dict)  # model label -> rows deleted
-    batches: int = 0
-    costs_kept: Decimal = Decimal(0)
-    dry_run: bool = False
-
-
-def purgeable(older_than, *, workflow=None):
-    """Finished jobs unchanged for ``older_than`` (database clock), whose actions are settled."""
-    from django.db.models import Q
-
-    from .models import Outbox
-
-    q = Q(pk__in=[])
-    for wf in registry.all():
-        if workflow is None or wf.name == workflow:
-            q |= Q(workflow=wf.name, state__in=wf.table.terminal_states())
-    cutoff = locking.db_now() - older_than
-    # An action sent but not settled (attempted, unknown) is something an operator must
-    # still see, even on a cancelled job: such jobs are kept.
-    unsettled = [OutboxStatus.PENDING, OutboxStatus.ATTEMPTED, OutboxStatus.UNKNOWN]
-    return (Job.objects.filter(q, updated__lt=cutoff)
-            .exclude(pk__in=Outbox.objects.filter(status__in=unsettled).values("job_id")))
-
-
-def purge(older_than, *, batch_size=500, keep_costs=None, workflow=None, dry_run=False,
-          progress=None):
-    """Delete finished jobs unchanged for ``older_than`` and all their rows, in batches.
-
-    Only jobs in a terminal state go (failed jobs wait for an operator); their memos,
-    actions, approvals and events go with them, one short transaction per batch, so
-    workers and the console are never blocked for long. With ``keep_costs`` (default
-    DURABLE["PURGE_KEEP_COSTS"]) the memos' costs stay in the per-minute rollups
-    (``durable.memos``) the cost report reads, in the same transaction as the delete.
-    """
-    if isinstance(older_than, str):
-        older_than = parse_age(older_than)
-    if not isinstance(older_than, datetime.timedelta) or older_than <= datetime.timedelta(0):
-        raise ValueError(f"older_than must be a positive timedelta, not {older_than!r}")
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise ValueError(f"batch_size must be a whole number of at least 1, not {batch_size!r}")
-    if workflow is not None:
-        registry.get(workflow)
-    keep = durable_settings.PURGE_KEEP_COSTS if keep_costs is None else keep_costs
-    result = Purged(dry_run=dry_run)
-    candidates = purgeable(older_than, workflow=workflow)
-    if dry_run:
-        result.jobs = candidates.count()
-        return result
-    while True:
-        ids = list(candidates.order_by("updated", "pk").values_list("pk", flat=True)[:batch_size])
-        if not ids:
-            if workflow is None:
-                _purge_schedule_events(older_than, batch_size, result)
-            return result
-        with transaction.atomic():
-            # The costs stay in the per-minute rollups (or leave them, without keep).
-            result.costs_kept += keep_memo_costs(StepResult.objects.filter(job_id__in=ids), keep=keep)
-            deleted, per_model = Job.objects.filter(pk__in=ids).delete()
-        result.batches += 1
-        for label, count in per_model.items():
-            result.rows[label] = result.rows.get(label, 0) + count
-            if label == Job._meta.label:
-                result.jobs += count
-        if progress is not None:
-            progress(result)
-
-
-def _purge_schedule_events(older_than, batch_size, result):
-    """Schedule decisions older than the cutoff go too; each schedule's state row stays."""
-    from .models import ScheduleEvent
-
-    cutoff = locking.db_now() - older_than
-    while True:
-        ids = list(ScheduleEvent.objects.filter(at__lt=cutoff).order_by("id")
-                   .values_list("pk", flat=True)[:batch_size])
-        if not ids:
-            return
-        deleted, _ = ScheduleEvent.objects.filter(pk__in=ids).delete()
-        label = ScheduleEvent._meta.label
-        result.rows[label] = result.rows.get(label, 0) + deleted
-        result.batches += 1
-
-
 # Schedules -----------------------------------------------------------------------------
 
 
 def _schedule_verb(name, user, reason, permission, verb):
     """The declared schedule and its locked row, after the permission and reason checks."""
-    from .models import ScheduleState
-    from .schedules import declared, sync
-
     if user is not None and not isinstance(user, str) and not (
             user.is_active and user.has_perm(permission)):
         raise OperatorError(f"{user.get_username()} may not {verb} schedules (permission"
@@ -580,18 +409,16 @@ def _schedule_verb(name, user, reason, permission, verb):
         raise OperatorError(f"Say why you {verb} the schedule; the reason is recorded")
     if "\x00" in reason:
         raise OperatorError("The reason contains a NUL character; nothing changed")
-    schedule = declared().get(name)
+    schedule = schedules.declared().get(name)
     if schedule is None:
         raise OperatorError(f"There is no schedule {name!r}")
     if not ScheduleState.objects.filter(pk=name).exists():
-        sync({name: schedule})
+        schedules.sync({name: schedule})
     return schedule, ScheduleState.objects.select_for_update().get(pk=name), reason
 
 
 def pause_schedule(name, *, user=None, reason=""):
     """Stop a schedule firing; its ticks until resume are not run."""
-    from .models import ScheduleEvent, ScheduleEventKind
-
     with transaction.atomic():
         schedule, row, reason = _schedule_verb(name, user, reason, "durable.pause_schedule", "pause")
         if row.paused_at is not None:
@@ -606,8 +433,6 @@ def pause_schedule(name, *, user=None, reason=""):
 
 def resume_schedule(name, *, user=None, reason=""):
     """Let a paused schedule fire again from its next tick; ticks while paused are not run."""
-    from .models import ScheduleEvent, ScheduleEventKind
-
     with transaction.atomic():
         schedule, row, reason = _schedule_verb(name, user, reason, "durable.pause_schedule", "resume")
         if row.paused_at is None:
@@ -630,17 +455,22 @@ def resume_schedule(name, *, user=None, reason=""):
 
 def run_schedule_now(name, *, user=None, reason=""):
     """Submit one run of a schedule at once, outside its ticks; returns the job's key."""
-    from .models import ScheduleEvent, ScheduleEventKind
-    from .schedules import submit_run
-
     with transaction.atomic():
         schedule, row, reason = _schedule_verb(name, user, reason, "durable.run_schedule", "run")
         now = locking.db_now()
         key = f"schedule:{name}:now:{now:%Y-%m-%dT%H:%M:%S.%f}Z"
-        job = submit_run(schedule, key)
+        job = schedules.submit_run(schedule, key)
         row.last_job = job
         row.save(update_fields=["last_job"])
         ScheduleEvent.objects.create(schedule_id=name, kind=ScheduleEventKind.RUN_NOW, job=job,
                                      actor=audit.actor(user), message=reason)
         audit.admin_log(user, row, f"ran schedule {name} now ({job}). {reason}")
         return job
+
+
+__all__ = [
+    "BulkResult", "Purged", "Replay", "bulk_cancel", "bulk_requeue", "bulk_retry_now", "cancel",
+    "deliver_signal", "parse_age", "pause", "pause_schedule", "purge", "purgeable", "replay_input",
+    "replay_step", "requeue", "resume", "resume_schedule", "retry_now", "run_schedule_now",
+    "send_back", "submit", "unfinished_children",
+]

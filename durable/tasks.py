@@ -9,13 +9,12 @@ parked as failed when it is poison, shown in the console and run by
 ``runworkers`` like any other job. The job's key is the task result's id.
 
 Nothing here imports models at module level: Django imports this module when a
-``@task`` is declared, which may happen while apps are still loading.
+``@task`` is declared, which may happen while apps are still loading. The framework
+import and a job read back as its ``TaskResult`` are in ``durable.task_results``.
 """
 
 import contextlib
 import contextvars
-import dataclasses
-import datetime
 import logging
 import signal
 import sys
@@ -31,50 +30,36 @@ from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
 from .conf import durable_settings
-from .exceptions import (
-    IdempotencyConflict,
-    PayloadInvalid,
-    TaskAttemptFailed,
-    TaskFailed,
-    TaskNotFound,
-)
+from .exceptions import IdempotencyConflict, PayloadInvalid, TaskAttemptFailed, TaskFailed
 from .retry import backoff as full_jitter_delay
 from .retry import classify, scrub
 from .signals import job_finished, step_finished
-from .states import StateKind
+from .task_results import (
+    DEFAULT_TASK_BACKEND_ALIAS,
+    FRAMEWORK,
+    WORKFLOW,
+    BaseTaskBackend,
+    InvalidTask,
+    Task,
+    TaskContext,
+    TaskError,
+    TaskResult,
+    TaskResultStatus,
+    build_result,
+    load_task,
+    normalize_json,
+    task_backends,
+    task_enqueued,
+    task_finished,
+    task_started,
+)
 from .workflows import Output, Retry, Workflow, registry, step
 
 logger = logging.getLogger("durable.tasks")
 
-WORKFLOW = "django_task"
-
-# The framework: Django 6's own, else the backport. Both read settings.TASKS; a site
-# on Django 6 with the backport also installed uses Django's.
-try:
-    from django.tasks import TaskContext, TaskResult, TaskResultStatus, task_backends
-    from django.tasks.backends.base import BaseTaskBackend
-    from django.tasks.base import DEFAULT_TASK_BACKEND_ALIAS, Task, TaskError
-    from django.tasks.exceptions import InvalidTask, TaskResultDoesNotExist
-    from django.tasks.signals import task_enqueued, task_finished, task_started
-    from django.utils.json import normalize_json
-
-    FRAMEWORK = "django.tasks"
-except ImportError:
-    try:
-        from django_tasks import TaskContext, TaskResult, TaskResultStatus, task_backends
-        from django_tasks.backends.base import BaseTaskBackend
-        from django_tasks.base import DEFAULT_TASK_BACKEND_ALIAS, Task, TaskError
-        from django_tasks.exceptions import InvalidTaskError as InvalidTask
-        from django_tasks.exceptions import TaskResultDoesNotExist
-        from django_tasks.signals import task_enqueued, task_finished, task_started
-        from django_tasks.utils import normalize_json
-
-        FRAMEWORK = "django_tasks"
-    except ImportError:
-        FRAMEWORK = None
-
-__all__ = ["DurableBackend", "DurableTask", "TaskArgumentsInvalid", "enqueue", "full_jitter",
-           "idempotency_key"]
+__all__ = ["FRAMEWORK", "WORKFLOW", "DurableBackend", "DurableTask", "TaskArgumentsInvalid",
+           "TaskWorkflow", "default_backoff", "enqueue", "full_jitter", "idempotency_key",
+           "load_task"]
 
 
 class TaskArgumentsInvalid(PayloadInvalid, TypeError, ValueError):
@@ -188,7 +173,7 @@ class TaskWorkflow(Workflow, register=False):
         if ctx.attempt > max_attempts:
             raise TaskFailed(f"gave up after {max_attempts} attempts: the worker running it was "
                              "lost each time (killed, or past the step timeout)")
-        result = _build_result(ctx.job_id, task=task)
+        result = _result(ctx.job_id, task=task)
         _send(task_started, backend, result)
         args, kwargs = payload.get("args", []), payload.get("kwargs", {})
         try:
@@ -227,7 +212,7 @@ def _decide(exc, task, backend, ctx, max_attempts):
     _pending_errors.clear()
     _pending_errors[ctx.job_id] = error
     # The backoff sees the result as this attempt left it: failed, with its error.
-    result = _build_result(ctx.job_id, task=task)
+    result = _result(ctx.job_id, task=task)
     result.errors.append(error)
     object.__setattr__(result, "status", TaskResultStatus.FAILED)
     backoff = _backoff(task, backend)
@@ -345,16 +330,10 @@ def _backend(alias):
     return backend if isinstance(backend, DurableBackend) else None
 
 
-def load_task(path):
-    """The Task object a job names, imported by its module path."""
-    try:
-        obj = import_string(path)
-    except ImportError as exc:
-        raise TaskNotFound(f"The task {path} cannot be imported ({exc}); the job is kept: "
-                           "deploy the code, then requeue it") from None
-    if FRAMEWORK is None or not isinstance(obj, Task):
-        raise TaskNotFound(f"{path} is not a task (decorate it with @task); the job is kept")
-    return obj
+def _result(job_id, task=None, job=None):
+    """The TaskResult of the task job ``job_id`` (see ``durable.task_results``)."""
+    table = registry.get(WORKFLOW).table if WORKFLOW in registry else TaskWorkflow.build_table()
+    return build_result(job_id, table, task=task, job=job)
 
 
 def register():
@@ -374,123 +353,6 @@ def register_if_configured():
             if path and issubclass(import_string(path), DurableBackend):
                 register()
                 return
-
-
-# Results -------------------------------------------------------------------------------
-
-
-def _status(job, table):
-    kind = table.kinds.get(job.state)
-    if kind in (StateKind.INITIAL, StateKind.READY):
-        return TaskResultStatus.READY
-    if kind == StateKind.TERMINAL:
-        return TaskResultStatus.FAILED if job.state == "cancelled" else TaskResultStatus.SUCCESSFUL
-    if kind == StateKind.FAILED:
-        return TaskResultStatus.FAILED
-    # Working, and every waiting state (timer, approval, action in flight, unknown
-    # result, needs a human): the task has started and has not finished.
-    return TaskResultStatus.RUNNING
-
-
-_WRAPPERS = ("TaskAttemptFailed: ", "TaskFailed: ")
-
-
-def _error(message, data=None):
-    """A TaskError from an attempt's event: its recorded traceback, else its error line.
-
-    The error line (``TaskFailed: ValueError: bad``) is all there is for a worker lost
-    mid-task, a step timeout, a task that could not be imported, or an attempt whose
-    worker died between recording the failure and adding the traceback.
-    """
-    if isinstance(data, dict) and data.get("exception") and data.get("traceback"):
-        return TaskError(exception_class_path=data["exception"], traceback=data["traceback"])
-    text = message
-    for prefix in _WRAPPERS:
-        if text.startswith(prefix):
-            text = text[len(prefix):]
-            break
-    name = text.split(":", 1)[0].split(" ", 1)[0]
-    if "." not in name:
-        import builtins
-
-        from . import exceptions
-
-        if isinstance(getattr(builtins, name, None), type):
-            name = f"builtins.{name}"
-        elif isinstance(getattr(exceptions, name, None), type):
-            name = f"durable.exceptions.{name}"
-        else:
-            name = "durable.exceptions.TaskFailed"
-    return TaskError(exception_class_path=name, traceback=message)
-
-
-def _build_result(job_id, task=None, job=None):
-    from .models import EventKind, Job, JobEvent
-
-    if job is None:
-        job = Job.objects.filter(pk=job_id, workflow=WORKFLOW).first()
-        if job is None:
-            raise TaskResultDoesNotExist(job_id)
-    payload = job.payload or {}
-    if task is None:
-        task = load_task(payload.get("task", ""))
-    task = _as_enqueued(task, payload, job)
-    table = registry.get(WORKFLOW).table if WORKFLOW in registry else TaskWorkflow.build_table()
-    status = _status(job, table)
-    events = JobEvent.objects.filter(
-        job_id=job.pk,
-        kind__in=[EventKind.CLAIMED, EventKind.RECLAIMED, EventKind.RETRY, EventKind.FAILED,
-                  EventKind.OPERATOR],
-    ).order_by("id").values_list("kind", "at", "actor", "message", "to_state", "data")
-    attempts, errors = [], []
-    for kind, at, actor, message, to_state, data in events:
-        if kind in (EventKind.CLAIMED, EventKind.RECLAIMED):
-            attempts.append((at, actor))
-        elif kind in (EventKind.RETRY, EventKind.FAILED):
-            errors.append(_error(message, data))
-        elif kind == EventKind.OPERATOR and to_state == "cancelled":
-            errors.append(TaskError(exception_class_path="durable.exceptions.TaskCancelled",
-                                    traceback=message or "cancelled by an operator"))
-    finished = status in (TaskResultStatus.SUCCESSFUL, TaskResultStatus.FAILED)
-    result = TaskResult(
-        task=task,
-        id=job.pk,
-        status=status,
-        enqueued_at=job.created,
-        started_at=attempts[0][0] if attempts else None,
-        last_attempted_at=attempts[-1][0] if attempts else None,
-        finished_at=job.updated if finished else None,
-        args=payload.get("args", []),
-        kwargs=payload.get("kwargs", {}),
-        backend=payload.get("backend", task.backend),
-        errors=errors,
-        worker_ids=[actor for _, actor in attempts],
-    )
-    if status == TaskResultStatus.SUCCESSFUL:
-        object.__setattr__(result, "_return_value", job.result)
-    return result
-
-
-def _as_enqueued(task, payload, job):
-    """The task as it was enqueued: its queue, backend alias and run_after."""
-    try:
-        run_after = datetime.datetime.fromisoformat(payload["run_after"])
-    except (KeyError, TypeError, ValueError):
-        run_after = None
-    enqueued = {"queue_name": payload.get("queue_name", job.queue),
-                "backend": payload.get("backend") or task.backend, "run_after": run_after}
-    changes = {k: v for k, v in enqueued.items() if getattr(task, k) != v}
-    # An alias (or queue) since removed from TASKS cannot be set again: then the task's
-    # own backend; the result still names the alias it was sent to.
-    without_backend = {k: v for k, v in changes.items() if k != "backend"}
-    for attempt in (changes, without_backend):
-        if not attempt:
-            break
-        try:
-            return dataclasses.replace(task, **attempt)
-        except Exception:  # noqa: BLE001 - the framework's errors for a bad alias vary
-            continue
-    return task
 
 
 def _send(task_signal, backend, result):
@@ -527,7 +389,7 @@ def _finished(job_id):
     if not task_finished.receivers:
         return
     try:
-        result = _build_result(job_id)
+        result = _result(job_id)
     except Exception:  # noqa: BLE001 - the job is committed; only the signal is lost
         logger.exception("could not build the result of task job %s for task_finished", job_id)
         return
@@ -589,8 +451,8 @@ if FRAMEWORK is not None:
 
         def enqueue(self, task, args, kwargs):
             """Submit a one-step job, in the caller's transaction; a known key returns its result."""
-            from . import services
             from .models import Job
+            from .submission import submit
 
             self.validate_task(task)
             try:
@@ -605,7 +467,7 @@ if FRAMEWORK is not None:
                 payload["run_after"] = task.run_after.isoformat()
             existed = key is not None and Job.objects.filter(pk=key).exists()
             try:
-                job = services.submit(
+                job = submit(
                     WORKFLOW, key or uuid.uuid4().hex, payload, run_after=task.run_after,
                     queue=task.queue_name,
                 )
@@ -617,7 +479,7 @@ if FRAMEWORK is not None:
                     raise
                 existed = True
             if existed:
-                return _build_result(job.pk, task=task, job=job)
+                return _result(job.pk, task=task, job=job)
             result = TaskResult(
                 task=task, id=job.pk, status=TaskResultStatus.READY, enqueued_at=job.created,
                 started_at=None, last_attempted_at=None, finished_at=None, args=args,
@@ -631,7 +493,7 @@ if FRAMEWORK is not None:
 
         def get_result(self, result_id):
             """The task result of job ``result_id``; TaskResultDoesNotExist if there is none."""
-            return _build_result(str(result_id))
+            return _result(str(result_id))
 
         def check(self, **kwargs):
             from django.apps import apps

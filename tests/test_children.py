@@ -88,9 +88,9 @@ def test_cancelling_a_parent_can_cancel_its_unfinished_children():
 
 
 def test_spawn_is_idempotent_fenced_and_refuses_a_child_id_another_parent_holds():
+    from durable.context import Context
     from durable.exceptions import IdempotencyConflict, LeaseLost
     from durable.runner import Runner
-    from durable.workflows import Context
 
     durable.submit("parent", "p", {"children": 1})
     durable.submit("parent", "x", {"children": 1})

@@ -96,8 +96,8 @@ def test_a_deadline_records_timed_out_once_and_a_later_signal_does_not_change_it
 
 
 def test_a_rerun_of_the_step_returns_the_recorded_outcome_not_a_new_signal():
+    from durable.context import Context
     from durable.runner import Runner
-    from durable.workflows import Context
 
     durable.submit("turns", "t", {"n": 1})
     durable.signal("t", "reply", "a", dedupe_key="1")
@@ -123,8 +123,8 @@ def test_a_rerun_of_the_step_returns_the_recorded_outcome_not_a_new_signal():
 
 
 def test_a_fenced_out_worker_consumes_nothing():
+    from durable.context import Context
     from durable.exceptions import LeaseLost
-    from durable.workflows import Context
 
     durable.submit("confirm", "j", {})
     durable.signal("j", "confirmed", 1, dedupe_key="1")
