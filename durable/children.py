@@ -116,8 +116,7 @@ def outcomes(parent_id, children):
         if row is None:
             found.append((cid, {"outcome": "missing", "state": None}))
             continue
-        kind = (registry.get(row["workflow"]).table.kinds.get(row["state"])
-                if row["workflow"] in registry else None)
+        kind = registry.kind_of(row["workflow"], row["state"])
         if kind is None or kind not in SETTLED_KINDS:
             item = {"outcome": "timed_out", "state": row["state"]}
         elif row["state"] == CANCELLED:

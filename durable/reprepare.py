@@ -12,10 +12,10 @@ matches), only the action step runs again.
 import logging
 
 from . import locking, memos
+from .context import Context
 from .identity import version_text
 from .models import StepResult
 from .states import prepare_again_plan
-from .workflows import Context
 
 logger = logging.getLogger("durable.approvals")
 

@@ -21,13 +21,14 @@ from django.db import DataError, transaction
 from . import faults, locking, outbox
 from .agent_run import AgentRun
 from .conf import durable_settings
+from .context import Context
 from .exceptions import LeaseLost, UnknownWorkflow
 from .identity import storable_json
 from .models import EventKind, StepResult
 from .retry import backoff, classify, describe, scrub
 from .signals import job_finished, step_finished, step_started
 from .states import RESUMING_KINDS, WOKEN, StateKind
-from .workflows import Action, Context, NeedsHuman, Wait, WaitingOn, registry
+from .workflows import Action, NeedsHuman, Wait, WaitingOn, registry
 
 logger = logging.getLogger("durable.worker")
 

@@ -273,8 +273,7 @@ def _going(job_id):
     job = Job.objects.filter(pk=job_id).values_list("workflow", "state").first()
     if job is None or job[0] not in registry:
         return False
-    kind = registry.get(job[0]).table.kinds.get(job[1])
-    return kind not in (StateKind.TERMINAL, StateKind.FAILED)
+    return registry.kind_of(*job) not in (StateKind.TERMINAL, StateKind.FAILED)
 
 
 def _event(row, kind, *, tick=None, job="", actor="system", message="", data=None):
@@ -297,7 +296,7 @@ def outcome(job):
     """``(state, kind)`` of a schedule's run: how it ended, or that it is still going."""
     if job is None:
         return "", ""
-    kind = registry.get(job.workflow).table.kinds.get(job.state) if job.workflow in registry else None
+    kind = registry.kind_of(job.workflow, job.state)
     if kind == StateKind.TERMINAL:
         return job.state, "cancelled" if job.state == "cancelled" else "succeeded"
     if kind == StateKind.FAILED:

@@ -268,6 +268,11 @@ class Registry:
     def __contains__(self, name):
         return name in self._classes
 
+    def kind_of(self, workflow, state):
+        """The StateKind of ``state`` in ``workflow``'s table; None if either is unknown here."""
+        cls = self._classes.get(workflow)
+        return None if cls is None else cls.table.kinds.get(state)
+
     def names(self):
         return sorted(self._classes)
 
@@ -360,13 +365,3 @@ class Action:
     values: dict
     # The approver sees this; the workflow's summarize() is used when it is empty.
     summary: str = ""
-
-
-def __getattr__(name):
-    # Context lives in durable.context (it reaches the inbox and the children, which
-    # read this module); the old path stays until every import names the new one.
-    if name == "Context":
-        from .context import Context
-
-        return Context
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
