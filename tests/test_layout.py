@@ -128,6 +128,7 @@ KNOWN = {
     "arrow: store -> waits: durable.locking imports durable.children":
         "the same change: the parent's wake moves into the store",
     "size: durable.reports is over 600 lines": "reports.py split (the alerts apart)",
+    "size: durable.locking is over 600 lines": "locking.py: the job statements' runners apart from the leases",
 }
 
 
