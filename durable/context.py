@@ -17,8 +17,13 @@ class Context:
     """What a step sees of its job: ids, the attempt, earlier memos, cost and timers."""
 
     def __init__(self, *, job_id, workflow, step, attempt, payload, memos, db_now, wake_at=None,
-                 lease_token=None):
+                 lease_token=None, enqueued_at=None, first_claim=False, worker=None):
         self.job_id = job_id
+        # When the job was submitted (the database's stamp), whether this worker's claim
+        # was its first (nothing ran or waited before it), and the worker's id.
+        self.enqueued_at = enqueued_at
+        self.first_claim = first_claim
+        self.worker = worker
         self.lease_token = lease_token
         self._keys = {}
         self.workflow = workflow

@@ -189,6 +189,7 @@ class Runner:
             job_id=claimed.id, workflow=started.workflow.name, step=step.name,
             attempt=started.attempt, payload=claimed.payload, memos=memos,
             db_now=claimed.db_now, wake_at=claimed.wake_at, lease_token=claimed.lease_token,
+            enqueued_at=claimed.created, first_claim=claimed.fresh, worker=self.owner,
         )
         if step_started.receivers and step_started.has_listeners(started.workflow.name):
             step_started.send(started.workflow.name, job_id=claimed.id, step=step.name,

@@ -122,7 +122,7 @@ def build_result(job_id, table, task=None, job=None):
     payload = job.payload or {}
     if task is None:
         task = load_task(payload.get("task", ""))
-    task = as_enqueued(task, payload, job)
+    task = as_enqueued(task, payload, job.queue)
     status = status_of(job, table)
     events = JobEvent.objects.filter(
         job_id=job.pk,
@@ -158,13 +158,55 @@ def build_result(job_id, table, task=None, job=None):
     return result
 
 
-def as_enqueued(task, payload, job):
-    """The task as it was enqueued: its queue, backend alias and run_after."""
+def started_result(ctx, table, task):
+    """The TaskResult of the attempt ``ctx`` starts, RUNNING.
+
+    On a job's first claim everything it holds is known to the worker (the claim
+    returned it), so nothing is read back; otherwise the earlier attempts and their
+    errors are read from the job's events, in one transaction.
+    """
+    if not ctx.first_claim or ctx.enqueued_at is None:
+        from django.db import transaction
+
+        with transaction.atomic():
+            return build_result(ctx.job_id, table, task=task)
+    payload = ctx.payload
+    task = as_enqueued(task, payload, task.queue_name)
+    return TaskResult(
+        task=task, id=ctx.job_id, status=TaskResultStatus.RUNNING, enqueued_at=ctx.enqueued_at,
+        started_at=ctx.db_now, last_attempted_at=ctx.db_now, finished_at=None,
+        args=payload.get("args", []), kwargs=payload.get("kwargs", {}),
+        backend=payload.get("backend", task.backend), errors=[], worker_ids=[ctx.worker],
+    )
+
+
+def finished_result(started, status, *, error=None, value=None):
+    """``started`` (see started_result) as its attempt ended: SUCCESSFUL with ``value``, or FAILED.
+
+    ``finished_at`` is the worker's clock just after the commit; ``get_result()`` reads
+    the database's stamp of that commit.
+    """
+    from django.utils import timezone
+
+    result = dataclasses.replace(
+        started, status=status, finished_at=timezone.now(),
+        errors=[*started.errors, *([error] if error is not None else [])],
+    )
+    if status == TaskResultStatus.SUCCESSFUL:
+        object.__setattr__(result, "_return_value", value)
+    return result
+
+
+def as_enqueued(task, payload, queue):
+    """The task as it was enqueued: its queue, backend alias and run_after.
+
+    ``queue`` is the job's queue, for payloads written before they named it.
+    """
     try:
         run_after = datetime.datetime.fromisoformat(payload["run_after"])
     except (KeyError, TypeError, ValueError):
         run_after = None
-    enqueued = {"queue_name": payload.get("queue_name", job.queue),
+    enqueued = {"queue_name": payload.get("queue_name", queue),
                 "backend": payload.get("backend") or task.backend, "run_after": run_after}
     changes = {k: v for k, v in enqueued.items() if getattr(task, k) != v}
     # An alias (or queue) since removed from TASKS cannot be set again: then the task's

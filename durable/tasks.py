@@ -46,8 +46,10 @@ from .task_results import (
     TaskResult,
     TaskResultStatus,
     build_result,
+    finished_result,
     load_task,
     normalize_json,
+    started_result,
     task_backends,
     task_enqueued,
     task_finished,
@@ -173,7 +175,8 @@ class TaskWorkflow(Workflow, register=False):
         if ctx.attempt > max_attempts:
             raise TaskFailed(f"gave up after {max_attempts} attempts: the worker running it was "
                              "lost each time (killed, or past the step timeout)")
-        result = _result(ctx.job_id, task=task)
+        result = started_result(ctx, _table(), task)
+        _attempt.__dict__.update(job_id=ctx.job_id, result=result, error=None, value=None)
         _send(task_started, backend, result)
         args, kwargs = payload.get("args", []), payload.get("kwargs", {})
         try:
@@ -183,8 +186,11 @@ class TaskWorkflow(Workflow, register=False):
                 else:
                     value = task.call(*args, **kwargs)
             if isinstance(value, Output):
-                return Output(normalize_json(value.value), cost=value.cost)
-            return normalize_json(value)
+                value = Output(normalize_json(value.value), cost=value.cost)
+                _attempt.value = value.value
+                return value
+            _attempt.value = value = normalize_json(value)
+            return value
         except Exception as exc:  # noqa: BLE001 - the task's policy decides below
             raise _decide(exc, task, backend, ctx, max_attempts) from exc
         except (SystemExit, KeyboardInterrupt) as exc:
@@ -207,14 +213,9 @@ def _decide(exc, task, backend, ctx, max_attempts):
     error = TaskError(exception_class_path=f"{type(exc).__module__}.{type(exc).__qualname__}",
                       traceback=_stored_traceback(formatted))
     # Written to the attempt's event once the runner has recorded it (_on_step_finished).
-    # One at a time: a process runs one task at a time, and an attempt whose lease was
-    # lost meanwhile is never recorded, so its error must not linger.
-    _pending_errors.clear()
-    _pending_errors[ctx.job_id] = error
+    _attempt.error = error
     # The backoff sees the result as this attempt left it: failed, with its error.
-    result = _result(ctx.job_id, task=task)
-    result.errors.append(error)
-    object.__setattr__(result, "status", TaskResultStatus.FAILED)
+    result = finished_result(_attempt.result, TaskResultStatus.FAILED, error=error)
     backoff = _backoff(task, backend)
     delay = backoff(exc, result) if backoff else None
     if delay is None:
@@ -236,16 +237,28 @@ def _stored_traceback(formatted):
     return marker + formatted[len(formatted) - max(limit - len(marker), 0):]
 
 
-# job id -> the TaskError of the attempt that just raised in this process (see _decide);
-# at most one entry.
-_pending_errors = {}
+class _Attempt(threading.local):
+    """The task attempt this thread runs: its job, its result at start, its error or value.
+
+    A worker thread runs one task at a time; the next attempt in the thread replaces
+    it, so an attempt whose lease was lost (never recorded) leaves nothing behind.
+    """
+
+    job_id = result = error = value = None
+
+    def of(self, job_id):
+        return self if self.job_id == job_id and self.result is not None else None
+
+
+_attempt = _Attempt()
 
 
 def _record_error(job_id):
     """Add the traceback and class of the attempt that just failed to its retry/failed event."""
     from .models import EventKind, JobEvent
 
-    error = _pending_errors.pop(job_id, None)
+    attempt = _attempt.of(job_id)
+    error = attempt.error if attempt is not None else None
     if error is None:
         return
     event = (JobEvent.objects.filter(job_id=job_id, kind__in=[EventKind.RETRY, EventKind.FAILED])
@@ -330,10 +343,13 @@ def _backend(alias):
     return backend if isinstance(backend, DurableBackend) else None
 
 
+def _table():
+    return registry.get(WORKFLOW).table if WORKFLOW in registry else TaskWorkflow.build_table()
+
+
 def _result(job_id, task=None, job=None):
     """The TaskResult of the task job ``job_id`` (see ``durable.task_results``)."""
-    table = registry.get(WORKFLOW).table if WORKFLOW in registry else TaskWorkflow.build_table()
-    return build_result(job_id, table, task=task, job=job)
+    return build_result(job_id, _table(), task=task, job=job)
 
 
 def register():
@@ -366,9 +382,9 @@ def _send(task_signal, backend, result):
 
 # Connected for every sender and filtered here: the runner asks has_listeners()
 # without a sender before sending, which does not count sender-specific receivers.
-def _on_job_finished(sender, job_id, **kwargs):
+def _on_job_finished(sender, job_id, state=None, **kwargs):
     if sender == WORKFLOW:
-        _finished(job_id)
+        _finished(job_id, succeeded=state == "succeeded")
 
 
 def _on_step_finished(sender, job_id, outcome, **kwargs):
@@ -379,17 +395,23 @@ def _on_step_finished(sender, job_id, outcome, **kwargs):
             _record_error(job_id)
         except Exception:  # noqa: BLE001 - the failure is recorded; only its traceback is lost
             logger.exception("could not record the traceback of task job %s", job_id)
-    else:
-        _pending_errors.pop(job_id, None)
     if outcome == "failed":
-        _finished(job_id)
+        _finished(job_id, succeeded=False)
 
 
-def _finished(job_id):
+def _finished(job_id, succeeded):
+    """Send task_finished: built from this thread's attempt when it just ran here, else read."""
     if not task_finished.receivers:
         return
+    attempt = _attempt.of(job_id)
     try:
-        result = _result(job_id)
+        if attempt is not None and succeeded:
+            result = finished_result(attempt.result, TaskResultStatus.SUCCESSFUL,
+                                     value=attempt.value)
+        elif attempt is not None and not succeeded and attempt.error is not None:
+            result = finished_result(attempt.result, TaskResultStatus.FAILED, error=attempt.error)
+        else:
+            result = _result(job_id)
     except Exception:  # noqa: BLE001 - the job is committed; only the signal is lost
         logger.exception("could not build the result of task job %s for task_finished", job_id)
         return
