@@ -14,14 +14,14 @@ it (the wake is a compare-and-swap on ``Job.awaiting``).
 """
 
 from django.db import transaction
-from django.db.models import Q
 
 from . import faults, locking
 from .exceptions import IdempotencyConflict, PayloadInvalid
-from .models import EventKind, Job, JobEvent, Wait, WaitKind
+from .models import EventKind, Job, JobEvent, WaitKind
 from .states import CANCELLED, SETTLED_KINDS, StateKind
 from .submission import submit
-from .waits import deadline, fence, recorded, resolve, wake
+from .waits import deadline, fence, recorded, resolve
+from .wakeups import EVERY_CHILD, open_children, settled_q, terminal_q, wake_parent
 from .workflows import WaitingOn, registry
 
 
@@ -58,52 +58,6 @@ def spawn_many(ctx, workflow, children, queue="default"):
                                     actor="system", message=f"spawned {linked} {workflow} children",
                                     data={"children": len(ids), "workflow": workflow})
     return ids
-
-
-# The name of a join that waits for every child of its parent.
-EVERY_CHILD = "*"
-
-_cache = {}
-
-
-def _kinds_q(kinds):
-    key = (registry.generation, kinds)
-    cached = _cache.get(key)
-    if cached is None:
-        # One IN for the states of these kinds in every workflow that has them, an
-        # exception per state whose kind differs between workflows: a short query to
-        # build and to run, even with many workflows registered.
-        by_state = {}
-        for definition in registry.all():
-            for state, kind in definition.table.kinds.items():
-                by_state.setdefault(state, {})[definition.name] = kind in kinds
-        everywhere = sorted(s for s, found in by_state.items() if all(found.values()))
-        cached = Q(state__in=everywhere)
-        for state, found in sorted(by_state.items()):
-            if any(found.values()) and not all(found.values()):
-                cached |= Q(state=state, workflow__in=sorted(w for w, ok in found.items() if ok))
-        cached &= Q(workflow__in=registry.names())
-        if len(_cache) > 8:
-            _cache.clear()
-        _cache[key] = cached
-    return cached
-
-
-def settled_q():
-    """A Q matching jobs in a state their own workflow counts as finished for a join."""
-    return _kinds_q(SETTLED_KINDS)
-
-
-def terminal_q():
-    """A Q matching jobs in a terminal state of their own workflow."""
-    return _kinds_q(frozenset({StateKind.TERMINAL}))
-
-
-def open_children(parent_id, children):
-    """Which of ``children`` (ids of ``parent_id``'s children) have not finished yet."""
-    still = set(Job.objects.filter(parent_id=parent_id).exclude(settled_q())
-                .values_list("id", flat=True))
-    return [c for c in children if c in still]
 
 
 def outcomes(parent_id, children):
@@ -153,35 +107,5 @@ def join(ctx, children, timeout=None, key=None):
                     data={"children": children})
 
 
-def wake_parent(parent_id, child):
-    """Called in the transaction that finishes ``child``: wake its parent if it was the last.
-
-    The parent's row lock serialises the children finishing together: each one counts
-    the open children only after the previous one committed (PostgreSQL's read
-    committed reads afresh per statement), so exactly the last one sees none left.
-    """
-    parent = (Job.objects.select_for_update().filter(pk=parent_id)
-              .values("awaiting", "workflow").first())
-    if parent is None or not parent["awaiting"]:
-        return False
-    waits = Wait.objects.filter(job_id=parent_id, key=parent["awaiting"], kind=WaitKind.JOIN,
-                                resolved__isnull=True)
-    name = waits.values_list("name", flat=True).first()
-    if name is None:
-        return False
-    if name == EVERY_CHILD:
-        if Job.objects.filter(parent_id=parent_id).exclude(settled_q()).exists():
-            return False
-    else:
-        children = waits.values_list("data", flat=True).first()["children"]
-        if child not in set(children) or open_children(parent_id, children):
-            return False
-    woke = wake(parent_id, parent["awaiting"], parent["workflow"])
-    if woke:
-        JobEvent.objects.create(job_id=parent_id, kind=EventKind.SIGNAL, actor="system",
-                                message=f"woken: the last child {child} finished",
-                                data={"child": child, "key": parent["awaiting"]})
-    return woke
-
-
-__all__ = ["child_id", "join", "open_children", "spawn_many", "wake_parent"]
+__all__ = ["EVERY_CHILD", "child_id", "join", "open_children", "outcomes", "settled_q", "spawn_many",
+           "terminal_q", "wake_parent"]

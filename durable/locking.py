@@ -29,6 +29,9 @@ from .exceptions import IllegalTransition
 from .models import EventKind, Job, JobEvent, Outbox
 from .sql import JOBS_CHANNEL, OUTBOX_CHANNEL, database, pg_execute, sqlite_datetime, sqlite_execute, sqlite_transaction
 from .states import RESUMING_KINDS, SETTLED_KINDS, WOKEN, StateKind
+from .wakeups import wake_parent
+
+notify = sql.notify  # NOTIFY when the transaction commits; everyone calls it as locking.notify
 
 
 def is_postgres(conn=None):
@@ -339,8 +342,6 @@ def transition(job, path, *, expect=None, token=None, actor="", message="", step
         parent_id = job.parent_id if hasattr(job, "parent_id") else (
             Job.objects.filter(pk=job.pk).values_list("parent_id", flat=True).first())
         if parent_id is not None:
-            from .children import wake_parent
-
             wake_parent(parent_id, job.pk)
     return True
 
@@ -351,13 +352,6 @@ def seconds_until_due():
     if db.vendor == "postgresql":
         return pg_execute(sql.PG_UNTIL_JOB_DUE, {}, db).fetchone()[0]
     return sqlite_execute(sql.SQLITE_UNTIL_JOB_DUE, (), db).fetchone()[0]
-
-
-def notify(channel, payload=""):
-    """Wake idle workers listening on ``channel`` when the current transaction commits."""
-    if is_postgres():
-        with connection.cursor() as cursor:
-            cursor.execute(sql.PG_NOTIFY, {"channel": channel, "payload": payload})
 
 
 def sqlite_data_version(cursor):

@@ -1,6 +1,7 @@
 """The text of every raw SQL statement of the store, per dialect, and how it runs.
 
-``durable.locking`` is the only caller: it runs each statement under a name of its own
+``durable.locking`` is the only caller (``notify`` aside, which whoever wakes a job
+calls): it runs each statement under a name of its own
 (``claim_job``, ``complete_step``, ``claim_actions``, ...), on the database driver's own
 cursor through ``pg_execute`` and ``sqlite_execute`` below. One paramstyle per dialect:
 PostgreSQL statements take psycopg's named parameters (``%(name)s``), SQLite statements
@@ -15,7 +16,7 @@ above it (procrastinate's ``queries.sql`` is the model).
 
 import datetime
 
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import DEFAULT_DB_ALIAS, connection, connections
 from django.utils.dateparse import parse_datetime
 
 from .conf import durable_settings
@@ -360,6 +361,13 @@ def database():
     if db.connection is None:
         db.ensure_connection()
     return db
+
+
+def notify(channel, payload=""):
+    """Wake idle processes listening on ``channel`` when the current transaction commits."""
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute(PG_NOTIFY, {"channel": channel, "payload": payload})
 
 
 def _pg_raw(db):

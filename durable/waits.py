@@ -12,15 +12,8 @@ from django.db.models.functions import Now
 from . import locking
 from .exceptions import LeaseLost
 from .models import EventKind, Job, JobEvent, Wait, WaitKind
+from .wakeups import wake
 from .workflows import TIMED_OUT
-
-
-def wake(job_id, key, workflow):
-    """Compare-and-swap a job parked on the wait ``key`` to due now; True if this call did it."""
-    woke = bool(Job.objects.filter(pk=job_id, awaiting=key).update(next_run_at=Now(), awaiting=""))
-    if woke:
-        locking.notify(locking.JOBS_CHANNEL, workflow)
-    return woke
 
 
 def fence(ctx):

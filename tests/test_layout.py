@@ -12,6 +12,8 @@ they run just the same) and the layout rules are checked:
 - no module over ``MAX_LINES`` lines (``sql.py``, statement text only, excepted);
 - no ``except ImportError`` around an import of durable's own modules;
 - optional dependencies never imported at module level;
+- one spelling per notion (``SPELLINGS``): unsettled actions, stuck jobs, the kind of a
+  state, a duration as text;
 - every module in exactly one part (``PARTS``), and every part's module present.
 
 ``KNOWN`` lists the violations still there, each with the change that removes it; the
@@ -47,7 +49,7 @@ PARTS = {
                "durable.formats"],
     # The rows and every statement and lease write on them; the cost roll-ups.
     "store": ["durable.models", "durable.schedule_models", "durable.locking", "durable.sql",
-              "durable.memos"],
+              "durable.memos", "durable.wakeups"],
     # Submitting a job: below all that submits (verbs, waits, schedules, tasks).
     "submit": ["durable.submission"],
     # What the worker and the dispatcher loops share: drains, waiter, connections.
@@ -120,15 +122,28 @@ OPTIONAL = {
     "anthropic": "the anthropic extra (durable.llm, by importlib)",
 }
 
+# One spelling per notion: where it is defined, and what another spelling looks like.
+SPELLINGS = {
+    "unsettled": ("durable.models", "a collection naming OutboxStatus.ATTEMPTED and UNKNOWN: use "
+                  "models.UNSETTLED/IN_DOUBT or Outbox.objects.unsettled()/in_doubt()"),
+    "stuck": ("durable.models", "a filter on lease_until__lt: use Job.objects.stuck(now=)"),
+    "kind of a state": ("durable.workflows", "registry.get(w).table.kinds.get(s): use "
+                        "registry.kind_of(w, s)"),
+    "duration as text": ("durable.formats", "django.utils.timesince: use formats.age/duration"),
+}
+
 # Violations still present, each with the change that removes it. Only shrinks.
 KNOWN = {
-    # locking.transition wakes the parent of a child that finished (children.wake_parent).
-    "cycle: durable.locking -> durable.children":
-        "the parent's wake moves into the store, below locking.transition",
-    "arrow: store -> waits: durable.locking imports durable.children":
-        "the same change: the parent's wake moves into the store",
     "size: durable.reports is over 600 lines": "reports.py split (the alerts apart)",
-    "size: durable.locking is over 600 lines": "locking.py: the job statements' runners apart from the leases",
+    # Spellings in modules being rewritten; each switches to the one definition.
+    "spelling: durable.outbox spells unsettled again": "outbox.py imports UNSETTLED/IN_DOUBT from models",
+    "spelling: durable.reconcile spells unsettled again": "reconcile.py: models.IN_DOUBT for _UNSETTLED",
+    "spelling: durable.views.reconcile spells unsettled again": "views/reconcile.py: Outbox.objects.in_doubt()",
+    "spelling: durable.reports spells stuck again": "reports.stuck_jobs/stuck_count: Job.objects.stuck(now=)",
+    "spelling: durable.metrics spells stuck again": "metrics: Job.objects.stuck(now=)",
+    "spelling: durable.reports spells kind of a state again": "reports.kind_of: registry.kind_of",
+    "spelling: durable.metrics spells kind of a state again": "metrics._kind: registry.kind_of",
+    "spelling: durable.views.approvals spells duration as text again": "views/approvals.py: formats.age",
 }
 
 
@@ -341,7 +356,40 @@ def rule_lazy(modules, imports, trees):
     return found
 
 
-RULES = [rule_parts, rule_cycles, rule_private, rule_arrows, rule_size, rule_guards, rule_lazy]
+def _spelled(node):
+    """Which notion ``node`` spells (see SPELLINGS), or None."""
+    if isinstance(node, ast.Tuple | ast.List | ast.Set):
+        members = {e.attr for e in node.elts if isinstance(e, ast.Attribute)
+                   and isinstance(e.value, ast.Name) and e.value.id == "OutboxStatus"}
+        if {"ATTEMPTED", "UNKNOWN"} <= members:
+            return "unsettled"
+    if isinstance(node, ast.keyword) and node.arg == "lease_until__lt":
+        return "stuck"
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+        kinds = node.func.value
+        if isinstance(kinds, ast.Attribute) and kinds.attr == "kinds" and isinstance(kinds.value, ast.Attribute) \
+                and kinds.value.attr == "table" and isinstance(kinds.value.value, ast.Call):
+            lookup = kinds.value.value.func
+            if isinstance(lookup, ast.Attribute) and lookup.attr == "get" and isinstance(lookup.value, ast.Name) \
+                    and lookup.value.id == "registry":
+                return "kind of a state"
+    if isinstance(node, ast.ImportFrom) and node.module == "django.utils.timesince":
+        return "duration as text"
+    return None
+
+
+def rule_spellings(modules, imports, trees):
+    found = {}
+    for name, tree in trees.items():
+        for node in ast.walk(tree):
+            notion = _spelled(node)
+            if notion and SPELLINGS[notion][0] != name:
+                found[f"spelling: {name} spells {notion} again"] = SPELLINGS[notion][1]
+    return found
+
+
+RULES = [rule_parts, rule_cycles, rule_private, rule_arrows, rule_size, rule_guards, rule_lazy,
+         rule_spellings]
 
 
 def violations(root=PACKAGE):
@@ -456,3 +504,16 @@ def test_a_lazy_import_made_eager_or_an_optional_dependency_at_module_level_is_r
     found = _planted(copy)
     assert "lazy: durable.tasks imports durable.models at module level" in found
     assert "optional: durable.formats imports prometheus_client at module level" in found
+
+
+def test_a_planted_second_spelling_is_reported(copy):
+    _append(copy, "purge.py", "\n".join([
+        "def planted(Job, OutboxStatus, registry):",
+        "    from django.utils.timesince import timesince",
+        "    stuck = Job.objects.filter(lease_until__lt=1)",
+        "    open_ = (OutboxStatus.PENDING, OutboxStatus.ATTEMPTED, OutboxStatus.UNKNOWN)",
+        "    return timesince, stuck, open_, registry.get('w').table.kinds.get('s')",
+    ]))
+    found = _planted(copy)
+    for notion in SPELLINGS:
+        assert f"spelling: durable.purge spells {notion} again" in found
