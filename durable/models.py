@@ -256,11 +256,13 @@ class OutboxStatus(models.TextChoices):
     CANCELLED = "cancelled", _("cancelled")  # an operator or a cancelled job withdrew it
 
 
-# Not settled: not yet sent, or sent with no outcome known. Such an action keeps its job
-# (purge), and a new action with other values is refused while one is open.
-UNSETTLED = frozenset({OutboxStatus.PENDING, OutboxStatus.ATTEMPTED, OutboxStatus.UNKNOWN})
-# Sent (or marked as about to be) and no outcome known: a person may have to reconcile it.
-IN_DOUBT = frozenset({OutboxStatus.ATTEMPTED, OutboxStatus.UNKNOWN})
+# Statuses whose outcome nobody knows: the action may already have left (an "attempted"
+# row whose lease expired is one: its dispatcher stopped between sending and recording).
+# It is reconciled, never replaced.
+IN_DOUBT = (OutboxStatus.UNKNOWN, OutboxStatus.ATTEMPTED)
+# Statuses of an action not settled: not yet sent, or in doubt. Such an action keeps its
+# job (purge), and a new action with other values is refused while one is open.
+UNSETTLED = (OutboxStatus.PENDING, *IN_DOUBT)
 
 
 class OutboxQuerySet(models.QuerySet):

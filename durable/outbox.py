@@ -41,6 +41,8 @@ from .identity import (
     wire_values,
 )
 from .models import (
+    IN_DOUBT,
+    UNSETTLED,
     Approval,
     ApprovalStatus,
     EventKind,
@@ -54,12 +56,6 @@ from .retry import scrub
 from .workflows import Action, registry
 
 logger = logging.getLogger("durable.approvals")
-
-# Statuses of a row whose action may already have left: it is reconciled, never replaced.
-IN_DOUBT = (OutboxStatus.ATTEMPTED, OutboxStatus.UNKNOWN)
-# Statuses of a row not yet settled. A pending row of a step that needs approval is a
-# proposal nobody approved (or a superseded one): a new proposal replaces it.
-UNSETTLED = (OutboxStatus.PENDING, *IN_DOUBT)
 
 
 # What enqueue returns --------------------------------------------------------------------
@@ -230,6 +226,9 @@ def enqueue(started, action, ctx, cost, duration, *, actor):
         draft = Draft.prepare(started, action, ctx, cost, duration)
     except Exception as exc:  # noqa: BLE001 - classified (mostly poison) by the step's policy
         return Refused(exc)
+    # A row in doubt may already have left: it is reconciled, never replaced. A pending row
+    # of a step that needs approval is a proposal nobody approved (or a superseded one): a
+    # new proposal replaces it.
     unsettled = IN_DOUBT if draft.approval else UNSETTLED
     with transaction.atomic():
         row = Outbox.objects.select_for_update().filter(job_id=claimed.id, kind=st.name).first()

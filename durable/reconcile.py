@@ -15,7 +15,7 @@ from django.db.models.functions import Now
 from . import audit, destinations, locking
 from .conf import durable_settings
 from .exceptions import ActionChanged, DurableError, OperatorError
-from .models import EventKind, Job, JobEvent, Outbox, OutboxStatus
+from .models import IN_DOUBT, UNSETTLED, EventKind, Job, JobEvent, Outbox, OutboxStatus
 from .outbox import ActionContext, complete, step_of_row
 from .signals import job_finished
 from .states import CANCELLED
@@ -25,9 +25,6 @@ logger = logging.getLogger("durable.dispatch")
 
 PERMISSION = "durable.reconcile_action"
 
-# Statuses whose outcome nobody knows. An "attempted" row whose lease expired is one:
-# its dispatcher stopped between sending and recording.
-_UNSETTLED = (OutboxStatus.UNKNOWN, OutboxStatus.ATTEMPTED)
 
 
 def _check_user(user):
@@ -130,7 +127,7 @@ def lookup_again(action_id, *, version, user=None, reason=""):
     """Ask the dispatcher to look the action up at its destination once more."""
     with transaction.atomic():
         ctx = _locked(action_id, version, user, reason)
-        _require(ctx, _UNSETTLED, "look it up again")
+        _require(ctx, IN_DOUBT, "look it up again")
         if ctx.destination is None or not ctx.destination.supports_lookup:
             raise OperatorError(
                 f"Destination {ctx.row.destination!r} offers no lookup; mark the action"
@@ -155,7 +152,7 @@ def mark_happened(action_id, remote_id, *, version, user=None, reason=""):
     finished = None
     with transaction.atomic():
         ctx = _locked(action_id, version, user, reason)
-        _require(ctx, _UNSETTLED, "mark it happened")
+        _require(ctx, IN_DOUBT, "mark it happened")
         who = audit.actor(user)
         summary = f"marked happened by {who}" + (f": {reason}" if reason else "")
         _bump(ctx.row, status=OutboxStatus.SUCCEEDED, remote_id=remote_id,
@@ -174,7 +171,7 @@ def mark_not_happened(action_id, *, version, user=None, reason=""):
     """Record that the action did not happen: dispatch it again, with the same key."""
     with transaction.atomic():
         ctx = _locked(action_id, version, user, reason)
-        _require(ctx, _UNSETTLED, "mark it not happened")
+        _require(ctx, IN_DOUBT, "mark it not happened")
         _bump(ctx.row, status=OutboxStatus.PENDING, attempts=0, lookups=0,
               next_attempt_at=Now(), last_error="")
         _record(ctx, user, "mark not happened", reason, version)
@@ -194,7 +191,7 @@ def cancel_action(action_id, *, version, user=None, reason=""):
     """
     with transaction.atomic():
         ctx = _locked(action_id, version, user, reason)
-        _require(ctx, (OutboxStatus.PENDING, *_UNSETTLED), "cancel it")
+        _require(ctx, UNSETTLED, "cancel it")
         row = ctx.row
         if row.status == OutboxStatus.PENDING:
             note = "cancelled before it was sent"

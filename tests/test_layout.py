@@ -136,14 +136,10 @@ SPELLINGS = {
 KNOWN = {
     "size: durable.reports is over 600 lines": "reports.py split (the alerts apart)",
     # Spellings in modules being rewritten; each switches to the one definition.
-    "spelling: durable.outbox spells unsettled again": "outbox.py imports UNSETTLED/IN_DOUBT from models",
-    "spelling: durable.reconcile spells unsettled again": "reconcile.py: models.IN_DOUBT for _UNSETTLED",
-    "spelling: durable.views.reconcile spells unsettled again": "views/reconcile.py: Outbox.objects.in_doubt()",
     "spelling: durable.reports spells stuck again": "reports.stuck_jobs/stuck_count: Job.objects.stuck(now=)",
     "spelling: durable.metrics spells stuck again": "metrics: Job.objects.stuck(now=)",
     "spelling: durable.reports spells kind of a state again": "reports.kind_of: registry.kind_of",
     "spelling: durable.metrics spells kind of a state again": "metrics._kind: registry.kind_of",
-    "spelling: durable.views.approvals spells duration as text again": "views/approvals.py: formats.age",
 }
 
 

@@ -15,9 +15,8 @@ from django.contrib.admin.utils import quote
 from django.db.models import Sum
 from django.http import Http404, HttpResponseRedirect
 from django.template.response import TemplateResponse
-from django.utils.timesince import timesince, timeuntil
 
-from .. import approvals, locking, reports
+from .. import approvals, formats, locking, reports
 from ..exceptions import DecisionForbidden, DecisionRefused
 from ..models import Approval, ApprovalStatus, EventKind, JobEvent, StepResult
 from ..workflows import Action, registry
@@ -256,9 +255,9 @@ def _on_reject(job, step):
 def _timing(approval, now):
     expired = approval.expires_at <= now
     return {
-        "age": timesince(approval.requested_at, now),
+        "age": formats.age(now - approval.requested_at),
         "expired": expired,
-        "expires_in": "" if expired else timeuntil(approval.expires_at, now),
+        "expires_in": "" if expired else formats.age(approval.expires_at - now),
     }
 
 

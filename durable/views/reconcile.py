@@ -39,7 +39,7 @@ def reconciliation(request, admin_site):
     require_view(request, "durable.view_outbox")
     now = locking.db_now()
     rows = (
-        Outbox.objects.filter(status__in=[OutboxStatus.UNKNOWN, OutboxStatus.ATTEMPTED])
+        Outbox.objects.in_doubt()
         .select_related("job").order_by("updated", "pk")
     )
     user = request.user
