@@ -73,15 +73,15 @@ class Claimed:
         "db_now", "previous_owner", "owner", "started_step", "parent_id", "created", "fresh",
     )
 
-    def __init__(self, started_step=None, parent_id=None, created=None, fresh=False, **kw):
+    def __init__(self, started_step=None, parent_id=None, created=None, **kw):
         self.started_step = started_step
         self.parent_id = parent_id
-        # When the job was submitted, and whether nothing touched it since (this is its
-        # first claim: no earlier attempt, wait or operator verb left a trace to read).
-        self.created = created
-        self.fresh = fresh
+        self.created = created  # when the job was submitted (the database's stamp)
         for k, v in kw.items():
             setattr(self, k, v)
+        # Whether this is the job's first lease (the token only ever grows): nothing ran,
+        # waited or was retried before it, so there is no earlier history to read.
+        self.fresh = self.lease_token == 1
 
     @property
     def pk(self):
@@ -170,7 +170,7 @@ def _sqlite_claim(db, owner, lease_seconds, workflows, queues, starts):
                             params, db).fetchone()
     if picked is None:
         return None
-    job_id, previous_owner, workflow, previous_state, previous_updated = picked
+    job_id, previous_owner, workflow, previous_state = picked
     working, started_step, woken = (starts or _NO_STARTS).by_state.get((workflow, previous_state),
                                                                        (None, None, None))
     timer = woken is not None
@@ -181,8 +181,7 @@ def _sqlite_claim(db, owner, lease_seconds, workflows, queues, starts):
         message = woken if timer else f"attempt {row[3]}"
         sqlite_execute(sql.SQLITE_EVENT, (job_id, EventKind.CLAIMED.value, previous_state, working,
                                           started_step, owner, message, None), db)
-    return _claimed((*row, previous_updated == row[-1]), owner, previous_owner=previous_owner,
-                    started_step=started_step)
+    return _claimed(row, owner, previous_owner=previous_owner, started_step=started_step)
 
 
 def _claimed(row, owner, previous_owner, started_step):
@@ -198,10 +197,9 @@ def _claimed(row, owner, previous_owner, started_step):
         previous_owner=previous_owner,
         owner=owner,
         started_step=started_step,
-        # The last three columns of both dialects' claims.
-        parent_id=row[-3],
-        created=sqlite_datetime(row[-2]),
-        fresh=bool(row[-1]),
+        # The last two columns of both dialects' claims.
+        parent_id=row[-2],
+        created=sqlite_datetime(row[-1]),
     )
 
 

@@ -77,7 +77,7 @@ SQLITE_FILTER = " AND {column} IN ({marks})"
 # again exactly when its lease expires.
 PG_CLAIM_JOB = """
 WITH candidate AS (
-    SELECT id, lease_owner AS previous_owner, workflow, state, updated AS previous_updated
+    SELECT id, lease_owner AS previous_owner, workflow, state
     FROM durable_job
     WHERE next_run_at <= statement_timestamp() {filters}
       AND NOT EXISTS (SELECT 1 FROM durable_pause p WHERE p.workflow = durable_job.workflow)
@@ -104,8 +104,7 @@ WITH candidate AS (
     WHERE j.id = c.id
     RETURNING j.id, j.workflow, j.state, j.attempts, j.lease_token, j.payload::text AS payload,
               j.wake_at, statement_timestamp() AS now, c.previous_owner, c.state AS previous_state,
-              s.step, s.timer, s.woken, j.parent_id, j.created,
-              c.previous_updated = j.created AS fresh
+              s.step, s.timer, s.woken, j.parent_id, j.created
 ), started AS (
     INSERT INTO durable_jobevent (job_id, at, kind, from_state, to_state, step, actor, message, data)
     SELECT id, now, 'claimed', previous_state, state, step, %(owner)s,
@@ -113,14 +112,14 @@ WITH candidate AS (
     FROM taken WHERE step IS NOT NULL
 )
 SELECT id, workflow, state, attempts, lease_token, payload, wake_at, now, previous_owner, step,
-       parent_id, created, fresh
+       parent_id, created
 FROM taken
 """
 
 # The oldest due job of an unpaused workflow (the claim's first half; SQLITE_TAKE_JOB follows
 # in the same IMMEDIATE transaction, which holds the write lock, so nothing races between).
 SQLITE_PICK_JOB = f"""
-SELECT id, lease_owner, workflow, state, updated FROM durable_job
+SELECT id, lease_owner, workflow, state FROM durable_job
 WHERE next_run_at <= {SQLITE_NOW} {{filters}}
   AND NOT EXISTS (SELECT 1 FROM durable_pause p WHERE p.workflow = durable_job.workflow)
 ORDER BY next_run_at

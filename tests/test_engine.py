@@ -373,7 +373,7 @@ def test_step_signals_reach_receivers_connected_for_one_workflow():
 
 
 def test_the_claim_says_whether_the_job_is_untouched_since_it_was_submitted():
-    """Claimed.fresh: the first claim of a submitted job, never one after an attempt or a wait."""
+    """Claimed.fresh: the first lease a job ever had (its token only grows, requeues included)."""
     durable.submit("recorded", "j", {})
     first = locking.claim_job("w1", 30)
     assert first.fresh is True and first.created == Job.objects.get(pk="j").created
