@@ -7,7 +7,14 @@ from django.core.exceptions import ValidationError
 
 
 class DurableError(Exception):
-    """Base class of every error durable raises."""
+    """Base class of every error durable raises.
+
+    ``event_data``, when an error raised by a step carries it (a dict of JSON values),
+    is added to the retry or failed event the runner writes for it, in the same
+    transaction.
+    """
+
+    event_data = None
 
 
 class UnknownWorkflow(DurableError, LookupError):

@@ -426,26 +426,27 @@ class Runner:
         """Classify ``exc`` by the step's retry policy: retry later, or fail the step."""
         decision = classify(exc, started.step.retry)
         error = describe(exc)
+        details = getattr(exc, "event_data", None)  # see DurableError
         max_attempts, base, cap = started.step.retry.resolved()
         if decision.retryable and started.attempt < max_attempts:
             delay = decision.retry_after
             if delay is None:
                 delay = backoff(started.attempt - 1, base, cap)
-            return self._retry(started, error, delay, decision.reason)
+            return self._retry(started, error, delay, decision.reason, details)
         why = "poison" if not decision.retryable else f"gave up after {started.attempt} attempts"
         self._fail(started.claimed, started.table, started.states, started.attempt,
-                   f"{error} ({why})", actor=self.owner)
+                   f"{error} ({why})", actor=self.owner, details=details)
         self.finished(started, "failed")
         return None
 
-    def _retry(self, started, error, delay, reason):
+    def _retry(self, started, error, delay, reason, details=None):
         claimed, states = started.claimed, started.states
         with transaction.atomic():
             ok = locking.transition(
                 claimed, states.before, token=claimed.lease_token, actor=self.owner,
                 step=started.step.name, table=started.table, kind=EventKind.RETRY,
-                message=error, data={"attempt": started.attempt, "delay": round(delay, 3),
-                                     "reason": reason},
+                message=error, data={**(details or {}), "attempt": started.attempt,
+                                     "delay": round(delay, 3), "reason": reason},
                 fields={"next_run_at": locking.now_plus(delay), "lease_until": None,
                         "lease_owner": None, "last_error": error},
             )
@@ -458,13 +459,14 @@ class Runner:
         self.finished(started, "retry")
         return None
 
-    def _fail(self, claimed, table, states, attempt, error, actor=None, kind=EventKind.FAILED):
+    def _fail(self, claimed, table, states, attempt, error, actor=None, kind=EventKind.FAILED,
+              details=None):
         error = scrub(error)
         with transaction.atomic():
             ok = locking.transition(
                 claimed, states.failure, token=claimed.lease_token, actor=actor or self.owner,
                 step=states.step, table=table, kind=kind, message=error,
-                data={"attempt": attempt},
+                data={**(details or {}), "attempt": attempt},
                 fields={"next_run_at": None, "lease_until": None, "lease_owner": None,
                         "last_error": error},
             )

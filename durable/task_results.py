@@ -82,8 +82,7 @@ def error_of(message, data=None):
     """A TaskError from an attempt's event: its recorded traceback, else its error line.
 
     The error line (``TaskFailed: ValueError: bad``) is all there is for a worker lost
-    mid-task, a step timeout, a task that could not be imported, or an attempt whose
-    worker died between recording the failure and adding the traceback.
+    mid-task, a step timeout, or a task that could not be imported.
     """
     if isinstance(data, dict) and data.get("exception") and data.get("traceback"):
         return TaskError(exception_class_path=data["exception"], traceback=data["traceback"])

@@ -212,17 +212,20 @@ def _decide(exc, task, backend, ctx, max_attempts):
     message = f"{_class_path(type(exc))}: {exc}" if str(exc) else _class_path(type(exc))
     error = TaskError(exception_class_path=f"{type(exc).__module__}.{type(exc).__qualname__}",
                       traceback=_stored_traceback(formatted))
-    # Written to the attempt's event once the runner has recorded it (_on_step_finished).
     _attempt.error = error
     # The backoff sees the result as this attempt left it: failed, with its error.
     result = finished_result(_attempt.result, TaskResultStatus.FAILED, error=error)
     backoff = _backoff(task, backend)
     delay = backoff(exc, result) if backoff else None
     if delay is None:
-        return TaskFailed(message)
-    if ctx.attempt >= max_attempts:
-        return TaskFailed(f"{message} (gave up after {ctx.attempt} attempts)")
-    return TaskAttemptFailed(message, retry_after=max(0.0, float(delay)))
+        decided = TaskFailed(message)
+    elif ctx.attempt >= max_attempts:
+        decided = TaskFailed(f"{message} (gave up after {ctx.attempt} attempts)")
+    else:
+        decided = TaskAttemptFailed(message, retry_after=max(0.0, float(delay)))
+    # The runner writes them into the attempt's retry or failed event, in its transaction.
+    decided.event_data = {"exception": error.exception_class_path, "traceback": error.traceback}
+    return decided
 
 
 def _stored_traceback(formatted):
@@ -251,23 +254,6 @@ class _Attempt(threading.local):
 
 
 _attempt = _Attempt()
-
-
-def _record_error(job_id):
-    """Add the traceback and class of the attempt that just failed to its retry/failed event."""
-    from .models import EventKind, JobEvent
-
-    attempt = _attempt.of(job_id)
-    error = attempt.error if attempt is not None else None
-    if error is None:
-        return
-    event = (JobEvent.objects.filter(job_id=job_id, kind__in=[EventKind.RETRY, EventKind.FAILED])
-             .order_by("-id").values("id", "data").first())
-    if event is None:
-        return
-    data = {**(event["data"] or {}), "exception": error.exception_class_path,
-            "traceback": error.traceback}
-    JobEvent.objects.filter(pk=event["id"]).update(data=data)
 
 
 def _sigint_is_pythons_default():
@@ -390,11 +376,6 @@ def _on_job_finished(sender, job_id, state=None, **kwargs):
 def _on_step_finished(sender, job_id, outcome, **kwargs):
     if sender != WORKFLOW:
         return
-    if outcome in ("retry", "failed"):
-        try:
-            _record_error(job_id)
-        except Exception:  # noqa: BLE001 - the failure is recorded; only its traceback is lost
-            logger.exception("could not record the traceback of task job %s", job_id)
     if outcome == "failed":
         _finished(job_id, succeeded=False)
 
