@@ -1,11 +1,11 @@
 """An agent's action tools: proposals per tool call, the outbox, and the bounds an operator grants.
 
-An action tool's call is an action exactly as an action step's is (``durable.dispatch``):
+An action tool's call is an action exactly as an action step's is (``durable.outbox``):
 an outbox row written with the move to ``action_in_flight`` in one fenced transaction,
 marked attempted before it is sent, sent with a stable idempotency key bound to its
 values, and settled as succeeded, failed or unknown (then reconciled). The outcome
 becomes the tool call's memo and the job goes back to ``pending``: the run resumes
-and the model reads the result.
+and the model reads the result (the outbox's side of that is ``durable.agent_outbox``).
 
 A tool that needs approval proposes first. Every proposal of one turn is written in
 one transaction and the job waits in ``awaiting_approval`` until each is decided. An

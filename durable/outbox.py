@@ -56,6 +56,8 @@ from .retry import scrub
 from .workflows import Action, registry
 
 logger = logging.getLogger("durable.approvals")
+# The approval predicate's failures are logged where they always were.
+dispatch_logger = logging.getLogger("durable.dispatch")
 
 
 # What enqueue returns --------------------------------------------------------------------
@@ -129,8 +131,8 @@ def requires_approval(st, action, ctx):
     try:
         return bool(st.approval(action, ctx))
     except Exception:  # noqa: BLE001 - a predicate that fails cannot waive approval
-        logging.getLogger("durable.dispatch").exception(
-            "approval predicate of step %s failed; approval required", st.name)
+        dispatch_logger.exception("approval predicate of step %s failed; approval required",
+                                  st.name)
         return True
 
 

@@ -7,6 +7,9 @@ prepared from), reusing those memos would carry the old values into the new prop
 so they are set aside (their costs stay counted) and the job goes back to the start of
 the first of them. When the inputs did not change (an expiry, a hash that no longer
 matches), only the action step runs again.
+
+``context_for`` rebuilds a step's Context from stored state, for the hooks called
+outside the step (the input version, the approval predicate, the current record).
 """
 
 import logging
