@@ -377,7 +377,7 @@ def check_before_dispatch(outbox_row, job):
     st = workflow.steps_by_name.get(outbox_row.kind)
     if st is None or not st.approval:
         return True
-    states = next(s for s in workflow.table.steps if s.step == st.name)
+    states = workflow.table.states_for(st.name)
     now = locking.db_now()
     ctx = context_for(job, st, now)
     action = Action(outbox_row.destination, outbox_row.operation, outbox_row.payload)
@@ -470,7 +470,7 @@ def step_of_row(row, workflow):
     if getattr(workflow, "runs_itself", False):
         return agent_outbox.step_of_row(row, workflow)
     st = workflow.steps_by_name[row.kind]
-    return st, next(s for s in workflow.table.steps if s.step == st.name)
+    return st, workflow.table.states_for(st.name)
 
 
 def _cost_text(cost):

@@ -224,7 +224,7 @@ def prepare_again_plan(table, st):
     The start of the first step in ``st.prepared_from`` when the table allows the move
     from both the approval and the in-flight state; otherwise the step's own start.
     """
-    own = next(s for s in table.steps if s.step == st.name)
+    own = table.states_for(st.name)
     names = st.prepared_from or ()
     for index, states in enumerate(table.steps):
         if states.step == st.name:

@@ -130,6 +130,8 @@ SPELLINGS = {
     "kind of a state": ("durable.workflows", "registry.get(w).table.kinds.get(s): use "
                         "registry.kind_of(w, s)"),
     "duration as text": ("durable.formats", "django.utils.timesince: use formats.age/duration"),
+    "the states of a step": ("durable.states", "next(s for s in table.steps if s.step == name): use "
+                             "table.states_for(name)"),
 }
 
 # Violations still present, each with the change that removes it. Only shrinks.
@@ -371,6 +373,13 @@ def _spelled(node):
                 return "kind of a state"
     if isinstance(node, ast.ImportFrom) and node.module == "django.utils.timesince":
         return "duration as text"
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "next" \
+            and node.args and isinstance(node.args[0], ast.GeneratorExp):
+        loop = node.args[0].generators[0]
+        if isinstance(loop.iter, ast.Attribute) and loop.iter.attr == "steps" and any(
+                isinstance(test, ast.Compare) and isinstance(test.left, ast.Attribute)
+                and test.left.attr == "step" for test in loop.ifs):
+            return "the states of a step"
     return None
 
 
@@ -508,7 +517,8 @@ def test_a_planted_second_spelling_is_reported(copy):
         "    from django.utils.timesince import timesince",
         "    stuck = Job.objects.filter(lease_until__lt=1)",
         "    open_ = (OutboxStatus.PENDING, OutboxStatus.ATTEMPTED, OutboxStatus.UNKNOWN)",
-        "    return timesince, stuck, open_, registry.get('w').table.kinds.get('s')",
+        "    states = next(s for s in registry.get('w').table.steps if s.step == 'x')",
+        "    return timesince, stuck, open_, registry.get('w').table.kinds.get('s'), states",
     ]))
     found = _planted(copy)
     for notion in SPELLINGS:
