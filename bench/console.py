@@ -338,6 +338,16 @@ def child(args):
             connection.close()
             sqlite_generate(os.environ["BENCH_SQLITE_PATH"], args.jobs)
         print(f"  generated {args.jobs:,} jobs in {time.monotonic() - started:.0f} s", flush=True)
+    # The workers roll costs and state moves up about once a minute all day long; a
+    # day generated at once is rolled up here, once, as they would have (the pages
+    # never write).
+    from durable import rollups
+
+    started = time.monotonic()
+    rollups.roll_up()
+    print(f"  rolled up (as the workers do) in {time.monotonic() - started:.0f} s", flush=True)
+    if args.generate_only:
+        return []
     print(f"  {Job.objects.count():,} jobs on {connection.vendor}", flush=True)
     return measure(args.repeat, args.verbose)
 
@@ -354,6 +364,8 @@ def main(argv=None):
     p.add_argument("--reuse", action="store_true", help="measure data kept by an earlier --keep")
     p.add_argument("--json", default="", help="write the figures here")
     p.add_argument("--verbose", action="store_true", help="print each page's slowest queries")
+    p.add_argument("--generate-only", action="store_true",
+                   help="generate (with --keep) and measure nothing; measure later with --reuse")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -392,7 +404,8 @@ def main(argv=None):
         print(f"{database}: {args.jobs:,} jobs", flush=True)
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--jobs", str(args.jobs),
                "--repeat", str(args.repeat)] + (["--reuse"] if args.reuse else []) + (
-                   ["--verbose"] if args.verbose else [])
+                   ["--verbose"] if args.verbose else []) + (
+                   ["--generate-only"] if args.generate_only else [])
         proc = subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True, check=False)
         for line in proc.stdout.splitlines():
             if line.startswith("RESULT "):
@@ -406,6 +419,8 @@ def main(argv=None):
             return proc.returncode
     if args.json:
         Path(args.json).write_text(json.dumps({"jobs": args.jobs, "results": everything}, indent=2))
+    if args.generate_only:
+        return 0
     slowest = max((r["median_ms"], db, r["page"]) for db, rows in everything.items() for r in rows)
     print(f"slowest page: {slowest[2]} on {slowest[1]}, {slowest[0]:.0f} ms (median of {args.repeat})")
     return 0

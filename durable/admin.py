@@ -5,10 +5,12 @@ Nothing here edits a row. Changes go through services (``durable.services``,
 confirmation page that restates what will change and asks for a reason.
 """
 
+import json
 from contextvars import ContextVar
 
 from django.contrib import admin
 from django.core.paginator import Paginator
+from django.db import connections
 from django.db.models import DecimalField, OuterRef, Subquery, Sum
 from django.db.models.functions import Coalesce
 from django.template.defaultfilters import truncatechars
@@ -137,22 +139,48 @@ class FailureGroupFilter(admin.SimpleListFilter):
         return queryset.filter(pk__in=reports.jobs_in_failure_group(self.value()).values("pk"))
 
 
-class EstimatedCountPaginator(Paginator):
-    """Pages of the job list; an unfiltered list is counted from the planner's estimate.
+# The job list counts its rows exactly up to this many; beyond, it says "about" (the
+# planner's estimate, PostgreSQL) or "more than" this (SQLite).
+COUNT_UP_TO = 10_000
 
-    Counting every row of a million-row table to print "1,000,000 jobs" and the number
-    of pages buys nothing an estimate does not; a filtered list is counted exactly
-    (its filters are served by indexes).
+
+class BoundedCountPaginator(Paginator):
+    """Pages of the job list, counted exactly only when there are few.
+
+    Counting a million rows to print "1,000,000 jobs" and the number of pages buys
+    nothing an estimate does not: at most COUNT_UP_TO + 1 index entries are read;
+    a longer list is counted from the planner's estimate on PostgreSQL
+    (``count_kind`` "estimated", shown as "about N") and shown as "more than
+    COUNT_UP_TO" elsewhere (``count_kind`` "bound"; pages stop there).
     """
+
+    count_kind = "exact"
 
     @cached_property
     def count(self):
         queryset = self.object_list
-        if getattr(queryset, "query", None) is not None and not queryset.query.where:
-            estimate = reports.estimated_rows(queryset.model)
-            if estimate is not None:
-                return estimate
-        return super().count
+        if getattr(queryset, "query", None) is None:
+            return super().count
+        bound = COUNT_UP_TO
+        counted = reports.count_up_to(queryset, bound)
+        if counted <= bound:
+            return counted
+        estimate = _planner_rows(queryset)
+        if estimate is not None:
+            self.count_kind = "estimated"
+            return max(estimate, bound + 1)
+        self.count_kind = "bound"
+        return bound
+
+
+def _planner_rows(queryset):
+    """The planner's estimate of the rows ``queryset`` matches (PostgreSQL), else None."""
+    if connections[queryset.db].vendor != "postgresql":
+        return None
+    if not queryset.query.where:
+        return reports.estimated_rows(queryset.model)
+    plan = json.loads(queryset.order_by().values("pk").explain(format="json"))
+    return int(plan[0]["Plan"]["Plan Rows"])
 
 
 def _cost_so_far():
@@ -191,7 +219,7 @@ class JobAdmin(ReadOnlyAdmin):
     # Facet counts are a COUNT per choice over the whole table: on request only.
     show_facets = admin.ShowFacets.ALLOW
     show_full_result_count = False
-    paginator = EstimatedCountPaginator
+    paginator = BoundedCountPaginator
     actions = ["requeue_selected", "retry_selected", "cancel_selected"]
     change_list_template = "admin/durable/job/change_list.html"
 

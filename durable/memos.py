@@ -5,9 +5,10 @@ busy deployment) is too slow for a page an operator opens during an incident, so
 ``roll_up`` adds the memos of each closed minute into ``CostMinute`` rows and moves
 ``CostMark.through`` forward; readers (the dashboard, the cost report, metrics) sum
 the minutes before the mark and the few memos after it (``spent``). Rolling up is
-incremental and idempotent: whoever reads first after a minute closes does it (the
-pages, ``/metrics``, ``manage.py durable rollup``), under a row lock, so each memo is
-counted once.
+incremental and idempotent, under a row lock, so each memo is counted once. It is done
+on the write side, never by a page: by the workers about once a minute
+(``durable.rollups``), by ``manage.py durable purge`` and ``manage.py durable rollup``.
+Readers only read: the memos after the mark are one range of the (at, …) index.
 
 A memo is never paid for twice, so it is deleted only when it must not be reused: its
 job is purged, or a proposal is prepared again from current inputs and the steps it
@@ -99,7 +100,7 @@ def spent(start, end, *, workflow=None, by_day=False):
     range), memos after it from the memo table; both include what ``keep_costs`` and
     ``record_spend`` added. Days are UTC dates.
     """
-    through = roll_up()
+    through = mark()
     found = {}
 
     def add(day, wf, step, n, cost, duration):
@@ -111,7 +112,8 @@ def spent(start, end, *, workflow=None, by_day=False):
         row["duration"] += duration or ZERO
 
     minutes = CostMinute.objects.filter(minute__gte=_minute(start), minute__lt=end)
-    recent = StepResult.objects.filter(at__gte=max(start, through), at__lt=end)
+    # Never rolled up (a new deployment): every memo in the range is read.
+    recent = StepResult.objects.filter(at__gte=max(start, through or start), at__lt=end)
     if workflow:
         minutes, recent = minutes.filter(workflow=workflow), recent.filter(workflow=workflow)
     if by_day:

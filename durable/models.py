@@ -10,7 +10,7 @@ import datetime
 from django.conf import settings
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import models
-from django.db.models import F, Q
+from django.db.models import F, FloatField, Func, Q
 from django.db.models.functions import Now
 from django.utils.translation import gettext_lazy as _
 
@@ -85,9 +85,13 @@ class Job(models.Model):
                 name="durable_job_claim",
                 condition=Q(next_run_at__isnull=False),
             ),
-            # The console's "where is everything" and per-state filters.
-            models.Index(fields=["workflow", "state"], name="durable_job_wf_state"),
+            # The console's "where is everything" and per-state filters; with
+            # ``updated``, a state's ages and its oldest job come from the index alone.
+            models.Index(fields=["workflow", "state", "updated"], name="durable_job_state_updated"),
             models.Index(fields=["updated"], name="durable_job_updated"),
+            # Leased jobs only (a handful, however many jobs there are): "what is stuck".
+            models.Index(fields=["lease_until"], name="durable_job_leased",
+                         condition=Q(lease_owner__isnull=False)),
         ]
         permissions = [
             ("view_payload", "Can see job payloads and outputs unredacted"),
@@ -136,6 +140,25 @@ def memo_label():
     return Case(When(kind=MemoKind.STEP, then=F("step")),
                 default=Substr(Concat(F("kind"), Value(" "), F("name")), 1, 100),
                 output_field=models.CharField())
+
+
+class Epoch(Func):
+    """Seconds since 1970 of a datetime column, computed by the database's own arithmetic.
+
+    An average age is ``now - AVG(epoch)``: one native function per row, where the
+    ORM's ``now - updated`` is a Python function per row on SQLite.
+    """
+
+    output_field = FloatField()
+
+    def as_sql(self, compiler, conn, **extra):
+        sql, params = compiler.compile(self.source_expressions[0])
+        if conn.vendor == "postgresql":
+            # date_part is double precision; EXTRACT is numeric, many times slower to sum.
+            return f"date_part('epoch', {sql})", params
+        if conn.vendor == "sqlite":
+            return f"((julianday({sql}) - 2440587.5) * 86400.0)", params
+        return f"UNIX_TIMESTAMP({sql})", params  # MySQL / MariaDB
 
 
 class StepResult(models.Model):
@@ -234,10 +257,12 @@ class CostMinute(models.Model):
 
 
 class CostMark(models.Model):
-    """How far memos are rolled up into CostMinute: memos written before ``through`` are in it."""
+    """How far the roll-ups have read (one row): memos written before ``through`` are in
+    CostMinute, events written before ``moves_through`` in MoveMinute."""
 
     id = models.PositiveSmallIntegerField(primary_key=True, default=1)
     through = models.DateTimeField(_("rolled up through"), null=True, blank=True)
+    moves_through = models.DateTimeField(_("state moves rolled up through"), null=True, blank=True)
 
     class Meta:
         verbose_name = _("cost roll-up mark")
@@ -245,6 +270,34 @@ class CostMark(models.Model):
 
     def __str__(self):
         return f"costs rolled up through {self.through}"
+
+
+class MoveMinute(models.Model):
+    """Jobs that moved from one state to another per minute and workflow: the event log rolled up.
+
+    ``durable.rollups`` adds the events of every closed minute (as the cost roll-up does
+    for memos; mark: ``CostMark.moves_through``) and keeps the dashboard's longest window. The dashboard's trend
+    ("from N, 15 minutes ago") reads these rows and the events after the mark, instead
+    of every event of the window with its job.
+    """
+
+    minute = models.DateTimeField(_("minute"))
+    workflow = models.CharField(_("workflow"), max_length=100)
+    # "" for from_state: the job was created (its "submitted" event).
+    from_state = models.CharField(_("from"), max_length=100, blank=True, default="")
+    to_state = models.CharField(_("to"), max_length=100, blank=True, default="")
+    moves = models.BigIntegerField(_("moves"), default=0)
+
+    class Meta:
+        verbose_name = _("state moves per minute")
+        verbose_name_plural = _("state moves per minute")
+        constraints = [
+            models.UniqueConstraint(fields=["minute", "workflow", "from_state", "to_state"],
+                                    name="durable_one_move_minute"),
+        ]
+
+    def __str__(self):
+        return f"{self.minute:%Y-%m-%d %H:%M} {self.workflow} {self.from_state} → {self.to_state}: {self.moves}"
 
 
 class OutboxStatus(models.TextChoices):

@@ -19,7 +19,7 @@ except ImportError:  # Windows: every idle worker listens
 from django.db import connection
 from django.db.utils import DatabaseError, InterfaceError
 
-from . import faults, locking, schedules
+from . import faults, locking, rollups, schedules
 from .conf import bound_database_connections, durable_settings
 from .process import Drains, Waiter, keep_connections_healthy, worker_id
 from .runner import Runner
@@ -201,8 +201,10 @@ class Worker(Drains):
                              self.queues)
         self.waiter = Waiter(poll_interval or durable_settings.POLL_INTERVAL, turns=listen_turns)
         self.steps_run = 0
-        # Every worker may fire schedules (one job per tick whoever fires); a burst drains.
+        # Every worker may fire schedules (one job per tick whoever fires) and roll up
+        # costs and state moves for the console (about once a minute); a burst drains.
         self.firer = None if burst else schedules.Firer()
+        self.rollups = None if burst else rollups.RollUps()
 
     def stop(self):
         """Stop claiming; the current step finishes and the loop exits. Idempotent."""
@@ -222,6 +224,7 @@ class Worker(Drains):
                     keep_connections_healthy()
                     if self.firer is not None:
                         self.firer.maybe_fire()
+                        self.rollups.maybe_run()
                     started = self.runner.claim(self.workflows, self.queues)
                     if started is None:
                         if self.burst:

@@ -33,6 +33,11 @@ def make_job(key, state, *, workflow=PIPELINE, age=0, now=None, history=None, **
     Job.objects.filter(pk=key).update(updated=when, created=when)
     if history is None:
         history = [("", state, age)]
+    elif history and not any(frm == "" for frm, _, _ in history):
+        # As durable writes every job: created with its "submitted" event, entering the
+        # state its first recorded move leaves.
+        frm, _, seconds = max(history, key=lambda h: h[2])
+        history = [("", frm, seconds), *history]
     for frm, to, seconds in history:
         event = JobEvent.objects.create(
             job_id=key, kind=EventKind.TRANSITION if frm else EventKind.SUBMITTED,

@@ -34,18 +34,19 @@ class Command(BaseCommand):
         add_purge_arguments(sub)
         add_status_arguments(sub)
         add_schedules_arguments(sub)
-        sub.add_parser("rollup", help="Roll memo costs up per minute now (the console and "
-                                      "/metrics also do it as they read; run it from cron "
-                                      "where neither is read often).")
+        sub.add_parser("rollup", help="Roll memo costs and state moves up per minute now "
+                                      "(runworkers does it about once a minute; run it from "
+                                      "cron where no worker runs for long).")
 
     def handle(self, *args, verb, **options):
         return getattr(self, f"do_{verb}")(**options)
 
     def do_rollup(self, **options):
-        from durable import memos
+        from durable import rollups
 
-        through = memos.roll_up()
-        self.stdout.write(f"memo costs rolled up through {through:%Y-%m-%d %H:%M} UTC")
+        through = rollups.roll_up()
+        self.stdout.write(f"memo costs rolled up through {through['costs']:%Y-%m-%d %H:%M} UTC,"
+                          f" state moves through {through['moves']:%Y-%m-%d %H:%M} UTC")
 
     def do_graph(self, workflow, **options):
         try:
@@ -92,8 +93,13 @@ class Command(BaseCommand):
         self._each(services.retry_now, jobs, reason, user, "due now")
 
     def do_purge(self, older_than, batch_size, keep_costs, workflow, dry_run, **options):
+        from durable import rollups
+
         try:
             age = services.parse_age(older_than)
+            if not dry_run:
+                # What the purged memos cost is in the per-minute rollups before they go.
+                rollups.roll_up()
             done = services.purge(
                 age, batch_size=batch_size, keep_costs=keep_costs, workflow=workflow,
                 dry_run=dry_run,
