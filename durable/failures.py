@@ -11,7 +11,7 @@ import hashlib
 import re
 from dataclasses import dataclass, field
 
-from django.db.models import Count, Max, Min
+from django.db.models import Count, Max, Min, Q
 
 from .models import Epoch, Job
 from .scopes import failed_q, scoped
@@ -92,6 +92,8 @@ class FailureGroup:
     first_seen: datetime.datetime | None = None
     last_seen: datetime.datetime | None = None
     states: set = field(default_factory=set)
+    # {(workflow, state): {last_error, …}}: the errors as written, for the group's jobs.
+    errors: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 def _failed_jobs(workflow=None):
@@ -124,6 +126,7 @@ def failure_groups(*, workflow=None):
             )
         group.count += row["count"]
         group.states.add(row["state"])
+        group.errors.setdefault((row["workflow"], row["state"]), set()).add(row["last_error"])
         group.first_seen = min(filter(None, (group.first_seen, row["first"])))
         group.last_seen = max(filter(None, (group.last_seen, row["last"])))
     for group in groups.values():
@@ -143,8 +146,25 @@ def failure_group(digest, *, workflow=None):
     return next((g for g in failure_groups(workflow=workflow) if g.fingerprint == digest), None)
 
 
-def jobs_in_failure_group(digest, *, workflow=None):
-    """A queryset of the failed jobs whose fingerprint is ``digest``."""
+# Beyond this many distinct messages in one group, its jobs are found key by key.
+ERRORS_BY_VALUE = 5000
+
+
+def jobs_in_failure_group(digest, *, workflow=None, group=None):
+    """A queryset of the failed jobs whose fingerprint is ``digest`` (``group``: its FailureGroup).
+
+    Their errors as written (one grouped query) select them on the (workflow, state)
+    index; a group of very many distinct messages is matched job by job instead.
+    """
+    if group is None:
+        group = failure_group(digest, workflow=workflow)
+    if group is None:
+        return Job.objects.none()
+    if sum(len(errors) for errors in group.errors.values()) <= ERRORS_BY_VALUE:
+        q = Q(pk__in=[])
+        for (wf, state), errors in sorted(group.errors.items()):
+            q |= Q(workflow=wf, state=state, last_error__in=sorted(errors))
+        return _failed_jobs(workflow).filter(q)
     pks = [
         pk
         for pk, wf, state, error in _failed_jobs(workflow).values_list(
@@ -153,4 +173,3 @@ def jobs_in_failure_group(digest, *, workflow=None):
         if fingerprint(wf, state, error)[0] == digest
     ]
     return Job.objects.filter(pk__in=pks)
-

@@ -160,7 +160,7 @@ def requeue_group(request, admin_site, fingerprint):
         f"{group.first_seen:%Y-%m-%d %H:%M:%S} and {group.last_seen:%Y-%m-%d %H:%M:%S} UTC",
     ]
     return confirm_bulk(
-        request, admin_site, VERBS["requeue"], reports.jobs_in_failure_group(fingerprint),
+        request, admin_site, VERBS["requeue"], reports.jobs_in_failure_group(fingerprint, group=group),
         scope=scope, back=back, title=f"Requeue {group.count} jobs failing for one cause",
         example=group.example,
     )
