@@ -11,7 +11,7 @@ from django.db.models import Q
 
 from . import formats, locking
 from .conf import durable_settings
-from .failures import _failed_jobs, failure_groups
+from .failures import failed_jobs, failure_groups
 from .models import ApprovalStatus, Job, Outbox, Pause
 from .scopes import awaiting_decision, kind_of, scoped, state_pairs
 from .states import StateKind
@@ -94,7 +94,7 @@ def alerts(*, now=None, workflow=None, failures=None):
                 f"the threshold is {formats.age(threshold)}.",
                 todo, "job", {"pk": job.pk}, 1,
             ))
-    failed = _failed_jobs(workflow).count()
+    failed = failed_jobs(workflow).count()
     if failed:
         causes = len(failure_groups(workflow=workflow) if failures is None else failures)
         found.append(Alert(

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from django.db.models import Count, Max, Min, Q
 
-from .models import Epoch, Job
-from .scopes import failed_q, scoped
+from .models import Job
+from .scopes import Epoch, failed_q, scoped
 from .workflows import registry
 
 # An HTTP status names the cause ("404 Client Error", "HTTP 503", "status code 429"):
@@ -96,7 +96,7 @@ class FailureGroup:
     errors: dict = field(default_factory=dict, repr=False, compare=False)
 
 
-def _failed_jobs(workflow=None):
+def failed_jobs(workflow=None):
     return scoped(Job.objects.filter(failed_q()), workflow)
 
 
@@ -110,7 +110,7 @@ def failure_groups(*, workflow=None):
     """
     groups = {}
     rows = (
-        _failed_jobs(workflow)
+        failed_jobs(workflow)
         .values("workflow", "state", "last_error")
         # Seconds, not datetimes: thousands of distinct messages are thousands of rows,
         # and a float is read far faster than a timestamp with its zone.
@@ -164,10 +164,10 @@ def jobs_in_failure_group(digest, *, workflow=None, group=None):
         q = Q(pk__in=[])
         for (wf, state), errors in sorted(group.errors.items()):
             q |= Q(workflow=wf, state=state, last_error__in=sorted(errors))
-        return _failed_jobs(workflow).filter(q)
+        return failed_jobs(workflow).filter(q)
     pks = [
         pk
-        for pk, wf, state, error in _failed_jobs(workflow).values_list(
+        for pk, wf, state, error in failed_jobs(workflow).values_list(
             "pk", "workflow", "state", "last_error"
         )
         if fingerprint(wf, state, error)[0] == digest

@@ -29,9 +29,7 @@ BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 3
 
 
 def _kind(workflow, state):
-    if workflow not in registry:
-        return ""
-    kind = registry.get(workflow).table.kinds.get(state)
+    kind = registry.kind_of(workflow, state)
     return kind.value if kind is not None else ""
 
 
@@ -69,7 +67,7 @@ class DurableCollector:
         stuck = GaugeMetricFamily(
             "durable_jobs_stuck", "Jobs whose lease expired mid-step (no live worker yet).",
             labels=["workflow"])
-        for row in (Job.objects.filter(lease_owner__isnull=False, lease_until__lt=now)
+        for row in (Job.objects.stuck(now=now)
                     .values("workflow").annotate(n=Count("pk")).order_by("workflow")):
             stuck.add_metric([row["workflow"]], row["n"])
         yield stuck

@@ -10,7 +10,7 @@ import datetime
 from django.conf import settings
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import models
-from django.db.models import F, FloatField, Func, Q
+from django.db.models import F, Q
 from django.db.models.functions import Now
 from django.utils.translation import gettext_lazy as _
 
@@ -140,25 +140,6 @@ def memo_label():
     return Case(When(kind=MemoKind.STEP, then=F("step")),
                 default=Substr(Concat(F("kind"), Value(" "), F("name")), 1, 100),
                 output_field=models.CharField())
-
-
-class Epoch(Func):
-    """Seconds since 1970 of a datetime column, computed by the database's own arithmetic.
-
-    An average age is ``now - AVG(epoch)``: one native function per row, where the
-    ORM's ``now - updated`` is a Python function per row on SQLite.
-    """
-
-    output_field = FloatField()
-
-    def as_sql(self, compiler, conn, **extra):
-        sql, params = compiler.compile(self.source_expressions[0])
-        if conn.vendor == "postgresql":
-            # date_part is double precision; EXTRACT is numeric, many times slower to sum.
-            return f"date_part('epoch', {sql})", params
-        if conn.vendor == "sqlite":
-            return f"((julianday({sql}) - 2440587.5) * 86400.0)", params
-        return f"UNIX_TIMESTAMP({sql})", params  # MySQL / MariaDB
 
 
 class StepResult(models.Model):

@@ -33,8 +33,9 @@ from .failures import (  # noqa: F401 - the API
     step_of_state,
 )
 from .memos import spent
-from .models import CostRollup, Epoch, EventKind, Job, JobEvent, Pause, StepResult
+from .models import CostRollup, EventKind, Job, JobEvent, Pause, StepResult
 from .scopes import (  # noqa: F401 - the API
+    Epoch,
     awaiting_decision,
     failed_q,
     kind_of,
@@ -337,7 +338,7 @@ def stuck_jobs(*, now=None, workflow=None, limit=STUCK_LIMIT):
     here means no worker is running for its workflow (or it is paused).
     """
     now = now or locking.db_now()
-    qs = scoped(Job.objects.filter(lease_owner__isnull=False, lease_until__lt=now), workflow)
+    qs = scoped(Job.objects.stuck(now=now), workflow)
     rows = list(
         qs.order_by("updated", "pk").values(
             "id", "workflow", "state", "attempts", "lease_owner", "lease_until", "last_error",
@@ -351,9 +352,7 @@ def stuck_jobs(*, now=None, workflow=None, limit=STUCK_LIMIT):
 
 def stuck_count(*, now=None, workflow=None):
     now = now or locking.db_now()
-    return scoped(
-        Job.objects.filter(lease_owner__isnull=False, lease_until__lt=now), workflow
-    ).count()
+    return scoped(Job.objects.stuck(now=now), workflow).count()
 
 
 # 3. What is failing, and is it one cause or many? durable.failures ----------------------

@@ -10,7 +10,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('durable', '0010_cost_minutes'),
+        ('durable', '0005_outbox_step_cost'),
     ]
 
     operations = [
