@@ -92,8 +92,11 @@ class FailureGroup:
     first_seen: datetime.datetime | None = None
     last_seen: datetime.datetime | None = None
     states: set = field(default_factory=set)
-    # {(workflow, state): {last_error, …}}: the errors as written, for the group's jobs.
-    errors: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self):
+        # {(workflow, state): {last_error, …}}: the errors as written, to find the group's
+        # jobs by. Not a field: the group as data (``dataclasses.asdict``) stays JSON.
+        self.errors = {}
 
 
 def failed_jobs(workflow=None):
