@@ -38,8 +38,8 @@ def start_workers(args, processes, *, burst, name="workers", dispatcher=False, t
     """Start ``manage.py runworkers`` with this phase's settings; output goes to a log file.
 
     No outbox dispatcher unless asked: the no-op and probe workflows send no actions,
-    and the figures are the job workers'. ``threads`` (T > 1) asks for T steps in flight
-    per process; None leaves the command's default.
+    and the figures are the job workers'. ``threads`` asks for T steps in flight per
+    process; None leaves the command's default (``DURABLE["THREADS"]``).
     """
     env = dict(os.environ)
     command = [sys.executable, str(ROOT / "manage.py"), "runworkers"]

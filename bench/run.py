@@ -267,8 +267,8 @@ class Bench:
 
     def drain(self, db, synchronous, processes, repeat, threads=1):
         env = self.fresh(db, synchronous)
-        res = self.phase("drain", env, jobs=self.args.jobs, processes=processes,
-                         threads=threads if threads != 1 else None)
+        # Always named: the command's default (DURABLE["THREADS"]) is not 1.
+        res = self.phase("drain", env, jobs=self.args.jobs, processes=processes, threads=threads)
         res["threads"] = threads
         label = self.label(db, synchronous)
         print(f"  durable {label} p={processes} t={threads}: {res['steps_per_s']:.0f} steps/s, "
@@ -278,7 +278,7 @@ class Bench:
     def io(self, db, synchronous, threads, repeat):
         env = self.fresh(db, synchronous)
         res = self.phase("io", env, jobs=self.args.io_jobs, processes=self.args.io_processes,
-                         threads=threads if threads != 1 else None, sleep=self.args.io_sleep)
+                         threads=threads, sleep=self.args.io_sleep)
         label = self.label(db, synchronous)
         print(f"  sleeping steps {label} p={res['processes']} t={threads}: {res['jobs_per_s']:.1f} "
               f"jobs/s of a bound of {res['bound_jobs_per_s']:.0f} ({res['ratio_to_bound']:.2f} x)",

@@ -46,6 +46,21 @@ def check_database_timeouts(app_configs, **kwargs):
     return []
 
 
+@checks.register()
+def check_threads(app_configs, **kwargs):
+    """THREADS and MAX_ABANDONED_THREADS that are not whole numbers in range."""
+    problems = []
+    for name, least in (("THREADS", 1), ("MAX_ABANDONED_THREADS", 0)):
+        value = getattr(durable_settings, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            problems.append(checks.Error(
+                f"DURABLE['{name}'] must be a whole number of at least {least}; got {value!r}.",
+                hint="See the configuration reference in the README.",
+                id="durable.E040" if name == "THREADS" else "durable.E041",
+            ))
+    return problems
+
+
 @checks.register(checks.Tags.database)
 def check_sqlite_journal(app_configs, databases=None, **kwargs):
     """Several worker processes on SQLite need WAL, a busy timeout and immediate transactions."""

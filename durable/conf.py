@@ -49,6 +49,20 @@ DEFAULTS = {
     "SHUTDOWN_GRACE": 30.0,
     # Default number of worker processes (None: the CPU count).
     "PROCESSES": None,
+    # Steps in flight per worker process (runworkers --threads): each thread claims and
+    # runs its own job on its own database connection. 8, because the work durable
+    # exists for waits: a model SDK or HTTP call blocks on the network for seconds and
+    # releases the GIL meanwhile, so one process keeps 8 calls in flight for the memory
+    # of one; and because every thread holds a PostgreSQL connection (plus about 2 per
+    # process for the lease renewal and LISTEN), so processes x (threads + 2) must fit
+    # the server's max_connections (100 by default) beside the site's own: 4 processes
+    # x 8 threads is 40. Raise it for steps that mostly wait; 1 runs one job per
+    # process, as for CPU-bound steps.
+    "THREADS": 8,
+    # A thread whose step ran past its timeout cannot be stopped: its step is recorded
+    # as a retryable failure, a new thread takes its place, and once more than this
+    # many such threads are still running the process drains and is replaced.
+    "MAX_ABANDONED_THREADS": 2,
     # Outbox dispatcher: rows claimed per round, and HTTP (connect, read) timeouts.
     "DISPATCH_BATCH_SIZE": 20,
     "HTTP_TIMEOUT": (3.05, 10.0),

@@ -10,6 +10,7 @@ end it through the public methods: ``complete``, ``fail_step``, ``needs_human``,
 (None: the job has left this worker).
 """
 
+import copy
 import datetime
 import json
 import logging
@@ -506,12 +507,22 @@ class Runner:
                                step=started.step.name, outcome=outcome,
                                state=started.claimed.state, worker=self.owner)
 
-    # Timeouts (called from the heartbeat thread) ---------------------------------------
+    # Timeouts (called from a thread of the heartbeat) ----------------------------------
 
     def on_timeout(self, started, elapsed):
-        """Record a step past its timeout as a retryable failure; the caller then exits."""
+        """Record a step past its timeout as a retryable failure, while its thread still runs.
+
+        Fenced by the lease token like every write of this runner: the transition
+        clears the lease, so the step thread's own commit, if it ever returns, is
+        refused, and another worker (or another thread of this one) may take the job.
+        The heartbeat then abandons the thread (see ``durable.worker``).
+        """
         from .exceptions import StepTimeout
 
         exc = StepTimeout(f"step {started.step.name} ran {elapsed:.1f}s, past its timeout of "
                           f"{started.step.effective_timeout}s")
-        self.fail_step(started, exc, elapsed)
+        # On copies: the step's thread still holds ``started`` and must find it as it
+        # was, so that its late commit is refused by the fence and nothing else.
+        mine = copy.copy(started)
+        mine.claimed = copy.copy(started.claimed)
+        self.fail_step(mine, exc, elapsed)

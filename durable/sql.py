@@ -287,6 +287,28 @@ VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, {SQLITE_NOW})
 """
 
 
+# The heartbeat: renew every live lease a worker process holds, in one statement; the
+# ids renewed come back (a pair missing lost its lease).
+PG_RENEW_LEASES = """
+UPDATE durable_job AS j
+SET lease_until = statement_timestamp() + %(lease)s * interval '1 second',
+    next_run_at = statement_timestamp() + %(lease)s * interval '1 second'
+FROM unnest(%(ids)s::text[], %(tokens)s::bigint[]) AS held(id, token)
+WHERE j.id = held.id AND j.lease_token = held.token AND j.lease_until >= statement_timestamp()
+RETURNING j.id
+"""
+
+# The same on SQLite; {pairs} is one "(?, ?)" per (job id, token) held.
+SQLITE_RENEW_LEASES = f"""
+UPDATE durable_job
+SET lease_until = {SQLITE_NOW_PLUS},
+    next_run_at = {SQLITE_NOW_PLUS}
+WHERE lease_until >= {SQLITE_NOW}
+  AND (id, lease_token) IN (VALUES {{pairs}})
+RETURNING id
+"""
+
+
 # Outbox rows: claiming ------------------------------------------------------------------------
 
 # Lease up to %(limit)s due outbox rows whose job's workflow is not paused. SKIP LOCKED lets

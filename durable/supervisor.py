@@ -2,7 +2,9 @@
 
 Children are forked (so they share the parent's loaded code) after the parent closed
 its database connections: a connection must never be shared across a fork. A child
-that dies is replaced; a child that exits after a step timeout is replaced at once.
+that dies is replaced; a child that exits after a step timeout (or, threaded, that
+drained itself because too many of its threads were abandoned past their step
+timeouts) is replaced at once.
 A child never outlives its supervisor, even a SIGKILLed one: it drains as on SIGTERM
 (see ``_die_with_parent``), so no orphan keeps claiming work with old code.
 """
@@ -116,8 +118,10 @@ class Supervisor:
     """Starts and watches child processes; drains them on SIGTERM/SIGINT."""
 
     def __init__(self, *, processes=None, burst=False, workflows=None, queues=None,
-                 lease_seconds=None, roles=None, grace=None, dispatchers=1, workers=True):
+                 lease_seconds=None, roles=None, grace=None, dispatchers=1, workers=True,
+                 threads=None):
         self.processes = processes or durable_settings.PROCESSES or os.cpu_count() or 1
+        self.threads = threads or durable_settings.THREADS
         self.burst = burst
         self.grace = durable_settings.SHUTDOWN_GRACE if grace is None else grace
         # Idle workers take turns listening for new jobs (see process.Waiter): one
@@ -131,8 +135,11 @@ class Supervisor:
                           "lease_seconds": lease_seconds}
         # [(role, count, options)]; the outbox dispatcher runs beside the workers.
         if roles is None:
-            roles = [("worker", self.processes, {**worker_options, "listen_turns": self.listen_turns})
+            roles = [("worker", self.processes, {**worker_options, "listen_turns": self.listen_turns,
+                                                 "threads": self.threads})
                      ] if workers else []
+            if workers:
+                self._check_connection_budget()
             if dispatchers:
                 # In burst mode a dispatcher beside workers waits until they are done.
                 roles.append(("dispatcher", dispatchers,
@@ -144,6 +151,27 @@ class Supervisor:
         self._kill_at = None
         self._ctx = _mp_context()
         self._restarts = {}
+
+    def _check_connection_budget(self):
+        """Warn when the worker threads would hold more PostgreSQL connections than the server allows."""
+        conn = connections["default"]
+        if conn.vendor != "postgresql":
+            return
+        # A thread's connection each, plus the lease renewal and LISTEN of each process.
+        wanted = self.processes * (self.threads + 2)
+        try:
+            with conn.cursor() as cursor:
+                cursor.execute("SHOW max_connections")
+                allowed = int(cursor.fetchone()[0])
+        except Exception:  # noqa: BLE001 - a warning only; the workers report a real outage
+            return
+        finally:
+            connections.close_all()
+        if wanted > allowed * 0.8:
+            logger.warning("%d processes x %d threads hold about %d PostgreSQL connections; the"
+                           " server allows %d (max_connections) for everything: lower --threads"
+                           " or --processes, or put PgBouncer in front", self.processes,
+                           self.threads, wanted, allowed)
 
     def stop(self):
         """Ask every child to drain; idempotent."""
@@ -228,11 +256,13 @@ class Supervisor:
         return 0
 
     def _restart(self, slot, code):
-        from .worker import EXIT_LEASE_UNRENEWABLE, EXIT_STEP_TIMEOUT
+        from .worker import EXIT_LEASE_UNRENEWABLE, EXIT_STEP_TIMEOUT, EXIT_THREADS_ABANDONED
 
         role, index, _ = slot
         why = {EXIT_STEP_TIMEOUT: "after a step timeout",
-               EXIT_LEASE_UNRENEWABLE: "after its lease could not be renewed"}.get(code, f"exit code {code}")
+               EXIT_LEASE_UNRENEWABLE: "after its lease could not be renewed",
+               EXIT_THREADS_ABANDONED: "recycled: too many threads abandoned past their step"
+                                       " timeouts"}.get(code, f"exit code {code}")
         # Back off a child that keeps crashing so a broken deploy does not spin.
         last, count = self._restarts.get(slot, (0.0, 0))
         count = count + 1 if time.monotonic() - last < 10 else 0

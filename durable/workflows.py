@@ -12,6 +12,7 @@ Steps run in the order they are declared. The transition table is derived from t
 """
 
 import dataclasses
+import inspect
 from dataclasses import dataclass, field
 from decimal import Decimal
 
@@ -194,9 +195,14 @@ class Workflow:
         """Run one step (through ``run_step``) and unwrap an ``Output``: a ``StepReturn``.
 
         The cost is what the step recorded with ``ctx.cost()`` plus its ``Output``'s cost.
-        The runner and replay both call steps this way.
+        The runner and replay both call steps this way. An ``async def`` step's coroutine
+        runs on the process's event loop while this thread waits (see ``durable.aio``).
         """
         returned = self.run_step(st, data, ctx)
+        if inspect.iscoroutine(returned):
+            from . import aio
+
+            returned = aio.run(returned, f"step {st.name}", st.effective_timeout)
         cost = ctx.cost_total
         if isinstance(returned, Output):
             cost += Decimal(str(returned.cost))

@@ -105,7 +105,9 @@ def test_a_step_that_outlives_its_lease_cannot_commit_and_the_new_owners_result_
 def test_a_step_past_its_timeout_is_retried_in_a_replacement_process(workers, tmp_path):
     log = tmp_path / "exec.log"
     durable.submit("slow", "j", {"log": str(log), "sleep": 60})
-    proc = workers.start()
+    # One thread per process: the process itself is replaced (tests/test_threads.py has
+    # the threaded process, which replaces the thread and keeps serving).
+    proc = workers.start("--threads", "1")
     wait_for(lambda: job_state("j") == "work_done", timeout=30, message="the retried step")
     workers.terminate(proc)
     lines = log.read_text().split("\n")

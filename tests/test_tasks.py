@@ -779,7 +779,8 @@ def test_systemexit_and_keyboardinterrupt_in_tasks_fail_them_and_the_worker_carr
     """Ported from django-tasks-db's test_system_exit_task / test_keyboard_interrupt_task."""
     exiting, interrupting = exits.enqueue(), interrupted.enqueue()
     after = add.enqueue(2, 2)
-    proc = workers.start("--burst", processes=1, DURABLE_LEASE_SECONDS=2)
+    # One thread: the worker id below names the process (each thread has its own id).
+    proc = workers.start("--burst", "--threads", "1", processes=1, DURABLE_LEASE_SECONDS=2)
     assert proc.wait(60) == 0, workers.output(proc)
     exiting.refresh()
     interrupting.refresh()
@@ -800,7 +801,9 @@ def test_a_second_ctrl_c_records_the_running_task_failed_with_systemexit(workers
     """Ported from django-tasks-db's test_repeat_ctrl_c, through runworkers' supervisor."""
     log = tmp_path / "task.log"
     result = hangs.enqueue(str(log))
-    proc = workers.start(processes=1, DURABLE_LEASE_SECONDS=60)
+    # One thread: the second signal interrupts a task on the main thread only (a thread
+    # blocked in a call cannot be interrupted; with threads the second signal exits).
+    proc = workers.start("--threads", "1", processes=1, DURABLE_LEASE_SECONDS=60)
     wait_for(lambda: any(line.startswith("start 1") for line in lines(log)),
              message="the task to start")
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C reaches the whole process group

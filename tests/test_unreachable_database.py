@@ -107,18 +107,22 @@ def _drive(beat, seconds):
     """Tick the heartbeat by hand for ``seconds`` (the abandonment ends the loop)."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        with beat._lock:
-            current = beat._current
         try:
-            beat._beat(*current)
+            beat._tick()
         except _Abandoned:
             return
         time.sleep(beat.tick)
 
 
+def _renewed(held):
+    """What ``locking.renew_leases`` returns when every lease in ``held`` was renewed."""
+    return {job for job, _ in held}
+
+
 def test_a_renewal_that_hangs_abandons_the_step_before_the_lease_ends(heartbeat, monkeypatch):
     release = threading.Event()
-    monkeypatch.setattr(worker_module.locking, "renew_lease", lambda *a: release.wait(30))
+    monkeypatch.setattr(worker_module.locking, "renew_leases",
+                        lambda held, seconds: _renewed(held) if release.wait(30) else set())
     began = time.monotonic()
     heartbeat.watch(_started(), 60, None)
     _drive(heartbeat, 3)
@@ -137,7 +141,7 @@ def test_renewals_that_fail_abandon_the_step_and_are_retried_meanwhile(heartbeat
         calls.append(time.monotonic())
         raise OperationalError("connection to server failed: No route to host")
 
-    monkeypatch.setattr(worker_module.locking, "renew_lease", unreachable)
+    monkeypatch.setattr(worker_module.locking, "renew_leases", unreachable)
     heartbeat.watch(_started(), 60, None)
     _drive(heartbeat, 3)
     assert heartbeat.abandoned
@@ -146,7 +150,8 @@ def test_renewals_that_fail_abandon_the_step_and_are_retried_meanwhile(heartbeat
 
 def test_renewals_that_succeed_keep_the_step_running_past_the_lease(heartbeat, monkeypatch):
     calls = []
-    monkeypatch.setattr(worker_module.locking, "renew_lease", lambda *a: calls.append(a) or True)
+    monkeypatch.setattr(worker_module.locking, "renew_leases",
+                        lambda held, seconds: calls.append(held) or _renewed(held))
     heartbeat.watch(_started(), 60, None)
     _drive(heartbeat, 2.5)
     assert not heartbeat.abandoned
@@ -157,7 +162,8 @@ def test_a_lease_the_database_says_is_gone_is_left_to_the_fenced_commit(heartbea
     # A process that was frozen (SIGSTOP, a long GC pause) asks once, learns the lease is
     # gone, and stops asking; its commit is refused by the fence, as the drills show.
     calls = []
-    monkeypatch.setattr(worker_module.locking, "renew_lease", lambda *a: calls.append(a) or False)
+    monkeypatch.setattr(worker_module.locking, "renew_leases",
+                        lambda held, seconds: calls.append(held) or set())
     heartbeat.watch(_started(), 60, None)
     _drive(heartbeat, 2.0)
     assert not heartbeat.abandoned

@@ -5,11 +5,19 @@ import pytest
 from .drills import SIZES
 from .lab import Lab
 
+# Drills that run twice: one job per worker process, and 8 steps in flight per process
+# (``@pytest.mark.parametrize("lab", THREADS, indirect=True)``).
+THREADS = [pytest.param(1, id="1-thread"), pytest.param(8, id="8-threads")]
+
 
 @pytest.fixture
-def lab(tmp_path):
-    """A drill bench on the test database; every process it started is killed afterwards."""
-    bench = Lab(tmp_path / "lab", seed=int(os.environ.get("DURABLE_DRILL_SEED", 0)))
+def lab(tmp_path, request):
+    """A drill bench on the test database; every process it started is killed afterwards.
+
+    Parametrised indirectly, the parameter is the threads per worker process.
+    """
+    bench = Lab(tmp_path / "lab", seed=int(os.environ.get("DURABLE_DRILL_SEED", 0)),
+                threads=getattr(request, "param", None))
     yield bench
     bench.close()
 

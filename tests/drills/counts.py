@@ -26,7 +26,7 @@ from durable.workflows import registry
 
 from . import lab as lab_module
 
-WORKER_ACTOR = re.compile(r":(\d+):worker\d+$")
+WORKER_ACTOR = re.compile(r":(\d+):worker\d+(?:\.\d+)?$")  # .<slot>: a thread of it
 PID_IN_TEXT = re.compile(r":(\d+):worker\d+")
 CLAIM_KINDS = frozenset({EventKind.CLAIMED, EventKind.RECLAIMED})
 LOGGING_WORKFLOWS = frozenset({"drill", "drill_hold"})

@@ -201,8 +201,10 @@ def paused_holder(lab, size):
     lab.stop(others)
     lab.stop(holder)
     row = count(lab, "paused holder", began=began)
-    row.extra.update(paused=len(set(inside.values())), returned_to_commit=returned,
-                     late_events=late_events)
+    # paused: the held steps whose process was paused (with threads, one process may hold
+    # several of them); paused_processes: the processes.
+    row.extra.update(paused=len(inside), paused_processes=len(set(inside.values())),
+                     returned_to_commit=returned, late_events=late_events)
     if not finished:
         row.notes.append("the other workers did not finish the held jobs")
     if not returned:

@@ -107,8 +107,11 @@ def settled_filter():
 class Lab:
     """Processes, jobs and the ground truth (kills, pauses, executions) of one drill."""
 
-    def __init__(self, workdir, *, lease=DRILL_LEASE, step_timeout=DRILL_STEP_TIMEOUT, seed=0):
+    def __init__(self, workdir, *, lease=DRILL_LEASE, step_timeout=DRILL_STEP_TIMEOUT, seed=0,
+                 threads=None):
         self.workdir = Path(workdir)
+        # Threads per worker process (runworkers --threads); None: the default setting.
+        self.threads = threads
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.lease = lease
         self.step_timeout = step_timeout
@@ -162,11 +165,14 @@ class Lab:
         self._counter += 1
         return self.workdir / f"{self._counter:03d}-{what}.log"
 
+    def thread_args(self):
+        return ["--threads", str(self.threads)] if self.threads else []
+
     def runworkers(self, processes=2, *args, fault=None, env=None, prefix=None):
         """Start ``manage.py runworkers`` in its own process group; return the Popen."""
         log_path = self._log_path("runworkers")
         command = [sys.executable, str(ROOT / "manage.py"), "runworkers", "--processes",
-                   str(processes), *args]
+                   str(processes), *self.thread_args(), *args]
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
                 [*(prefix or []), *command], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
@@ -181,7 +187,8 @@ class Lab:
         log_path = self._log_path(f"worker{index}")
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "tests.drills.worker", str(index)], cwd=ROOT, stdout=log,
+                [sys.executable, "-m", "tests.drills.worker", str(index),
+                 *([str(self.threads)] if self.threads else [])], cwd=ROOT, stdout=log,
                 stderr=subprocess.STDOUT, env=self.env(DURABLE_FAULT_POINT=fault, **(env or {})),
                 start_new_session=True,
             )

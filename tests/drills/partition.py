@@ -58,8 +58,8 @@ SEND_MARGIN = 5.0
 SERVER_SETTINGS = {"idle_in_transaction_session_timeout": "2s"}
 
 STARTED = re.compile(r"started (?:worker|dispatcher)\d+ pid=(\d+)")
-OWNER_PID = re.compile(r":(\d+):(?:worker|dispatcher)\d+$")
-WORKER_PID = re.compile(r":(\d+):worker\d+$")
+OWNER_PID = re.compile(r":(\d+):(?:worker|dispatcher)\d+(?:\.\d+)?$")
+WORKER_PID = re.compile(r":(\d+):worker\d+(?:\.\d+)?$")
 
 
 @dataclass(frozen=True)
@@ -428,6 +428,8 @@ def main(argv=None):
     parser.add_argument("--workdir", help="logs go here (default: a temporary directory)")
     parser.add_argument("--json", help="write the row here as JSON (default: stdout)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="threads per worker process (default: the setting's default)")
     args = parser.parse_args(argv)
     # SIGTERM (a parent that gives up on us) unwinds through every finally below, so
     # the namespaces, the cluster and the workers are removed, not orphaned.
@@ -456,7 +458,7 @@ def main(argv=None):
 
         old = setup_databases(verbosity=0, interactive=False)
         try:
-            lab = Lab(workdir / "lab", lease=LEASE, seed=args.seed)
+            lab = Lab(workdir / "lab", lease=LEASE, seed=args.seed, threads=args.threads)
             try:
                 row = partition_drill(lab, net, SIZES[args.size])
             finally:
@@ -473,7 +475,7 @@ def main(argv=None):
     return 0
 
 
-def run_in_subprocess(size, workdir, timeout=900):
+def run_in_subprocess(size, workdir, timeout=900, threads=None):
     """Run the drill in a child process (it needs a Django of its own); return (rows, skip reason)."""
     from .counts import Counts
 
@@ -483,7 +485,7 @@ def run_in_subprocess(size, workdir, timeout=900):
     with open(workdir / "partition.log", "wb") as log:
         child = subprocess.Popen(
             [sys.executable, "-m", "tests.drills.partition", "--size", size, "--workdir",
-             str(workdir), "--json", str(out)],
+             str(workdir), "--json", str(out), *(["--threads", str(threads)] if threads else [])],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
         )
         try:

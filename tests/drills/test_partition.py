@@ -12,7 +12,7 @@ import pytest
 from tests.conftest import ON_POSTGRES
 
 from . import netlab
-from .conftest import assert_targets
+from .conftest import THREADS, assert_targets
 from .partition import problems, run_in_subprocess
 
 pytestmark = [
@@ -32,9 +32,10 @@ def lab_available():
         pytest.skip(reason)
 
 
+@pytest.mark.parametrize("threads", [p.values[0] for p in THREADS], ids=[p.id for p in THREADS])
 def test_hosts_cut_off_from_postgres_and_the_receiver_lose_nothing_and_commit_nothing_late(
-        lab_available, tmp_path):
-    rows, skipped = run_in_subprocess("small", tmp_path)
+        lab_available, tmp_path, threads):
+    rows, skipped = run_in_subprocess("small", tmp_path, threads=threads)
     assert skipped is None, skipped
     (row,) = rows
     assert_targets(row)

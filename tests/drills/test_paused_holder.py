@@ -4,12 +4,13 @@ import pytest
 
 from durable.models import EventKind, JobEvent
 
-from .conftest import assert_targets
+from .conftest import THREADS, assert_targets
 from .drills import paused_holder
 
 pytestmark = [pytest.mark.crash, pytest.mark.django_db(transaction=True)]
 
 
+@pytest.mark.parametrize("lab", THREADS, indirect=True)
 def test_a_paused_lease_holder_finishes_its_step_after_sigcont_but_its_commit_is_fenced(lab, size):
     row = paused_holder(lab, size)
     assert row.extra["paused"] == size.hold_jobs

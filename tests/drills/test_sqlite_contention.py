@@ -4,7 +4,7 @@ import pytest
 
 from tests.conftest import ON_POSTGRES
 
-from .conftest import assert_targets
+from .conftest import THREADS, assert_targets
 from .drills import locked_errors, sqlite_contention
 
 pytestmark = [
@@ -14,6 +14,7 @@ pytestmark = [
 ]
 
 
+@pytest.mark.parametrize("lab", THREADS, indirect=True)
 def test_four_workers_and_a_busy_console_never_see_database_is_locked(lab, size):
     row = sqlite_contention(lab, size)
     assert row.extra["console_ops"] > 100, "the console was not busy"

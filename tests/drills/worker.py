@@ -5,7 +5,7 @@ dead process is left to the drill, which replaces it at once. (The supervisor sl
 down a child that keeps crashing, rightly for a broken deploy, but a drill that
 crashes workers on purpose would then measure the backoff, not the engine.)
 
-    python -m tests.drills.worker INDEX
+    python -m tests.drills.worker INDEX [THREADS]
 """
 
 import os
@@ -20,7 +20,8 @@ def main(argv=None):
     django.setup()
     from durable.supervisor import _run_role
 
-    _run_role("worker", int(argv[0]) if argv else 0, {})
+    options = {"threads": int(argv[1])} if len(argv) > 1 else {}
+    _run_role("worker", int(argv[0]) if argv else 0, options)
 
 
 if __name__ == "__main__":

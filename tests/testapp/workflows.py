@@ -138,5 +138,6 @@ from . import (  # noqa: E402, F401
     approval_workflows,
     drill_workflows,
     operator_workflows,
+    thread_workflows,
     wait_workflows,
 )

@@ -10,6 +10,9 @@ class Command(BaseCommand):
     def add_arguments(self, parser):
         parser.add_argument("--processes", "-p", type=int, default=None,
                             help="Worker processes (default: DURABLE['PROCESSES'] or the CPU count).")
+        parser.add_argument("--threads", "-t", type=int, default=None,
+                            help="Steps in flight per worker process, one thread each"
+                                 " (default: DURABLE['THREADS'], 8).")
         parser.add_argument("--workflow", action="append", dest="workflows", default=[],
                             help="Only run jobs of this workflow (repeatable).")
         parser.add_argument("--queue", action="append", dest="queues", default=[],
@@ -25,21 +28,23 @@ class Command(BaseCommand):
         parser.add_argument("--dispatcher-only", action="store_true",
                             help="Run only the outbox dispatcher, no job workers.")
 
-    def handle(self, *args, processes, workflows, queues, burst, lease, dispatchers,
+    def handle(self, *args, processes, threads, workflows, queues, burst, lease, dispatchers,
                no_dispatcher, dispatcher_only, **options):
         if processes is not None and processes < 1:
             raise CommandError("--processes must be at least 1")
+        if threads is not None and threads < 1:
+            raise CommandError("--threads must be at least 1")
         if dispatchers < 1:
             raise CommandError("--dispatchers must be at least 1 (use --no-dispatcher for none)")
         if no_dispatcher and dispatcher_only:
             raise CommandError("--no-dispatcher and --dispatcher-only leave nothing to run")
-        if dispatcher_only and processes is not None:
-            raise CommandError("--dispatcher-only runs no workers; drop --processes")
+        if dispatcher_only and (processes is not None or threads is not None):
+            raise CommandError("--dispatcher-only runs no workers; drop --processes and --threads")
         for name in workflows:
             if name not in registry:
                 raise CommandError(f"Unknown workflow {name!r}; known: {', '.join(registry.names())}")
         supervisor = Supervisor(processes=processes, burst=burst, workflows=workflows,
-                                queues=queues, lease_seconds=lease,
+                                queues=queues, lease_seconds=lease, threads=threads,
                                 dispatchers=0 if no_dispatcher else dispatchers,
                                 workers=not dispatcher_only)
         return_code = supervisor.run()
