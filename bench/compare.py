@@ -61,6 +61,11 @@ def parse_args(argv=None):
     p.add_argument("--quiet-wait", type=float, default=20.0)
     p.add_argument("--quiet-threshold", type=float, default=0.25)
     p.add_argument("--pg-url", default="postgres://postgres@127.0.0.1:5432/postgres")
+    p.add_argument("--pg-database", default="durable_bench",
+                   help="this checkout's database (the other's gets the suffix _other)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="runworkers --threads for this checkout (default: the command's default;"
+                        " the other checkout always gets its command's default)")
     p.add_argument("--log-level", default="WARNING")
     p.add_argument("--json", default=str(ROOT / "bench" / "results" / "compare.json"))
     args = p.parse_args(argv)
@@ -83,8 +88,8 @@ def main(argv=None):
                    cwd=ROOT, check=True)
     against = subprocess.run(["git", "rev-parse", "--short", args.against], cwd=ROOT, check=True,
                              capture_output=True, text=True).stdout.strip()
-    benches = {"this": CheckoutBench(args, ROOT, "durable_bench"),
-               "other": CheckoutBench(args, other, "durable_bench_other")}
+    benches = {"this": CheckoutBench(args, ROOT, args.pg_database),
+               "other": CheckoutBench(args, other, f"{args.pg_database}_other")}
     rows = []
     started = time.time()
     try:
@@ -99,7 +104,9 @@ def main(argv=None):
                     for which, bench in order:
                         if args.quiet_wait > 0:
                             machine.wait_for_quiet(args.quiet_threshold, args.quiet_wait)
-                        res = bench.phase("drain", bench.fresh(db), jobs=args.jobs, processes=p)
+                        threads = args.threads if which == "this" else None
+                        res = bench.phase("drain", bench.fresh(db), jobs=args.jobs, processes=p,
+                                          threads=threads)
                         rows.append({"checkout": which, "database": db, "processes": p,
                                      "repeat": repeat, **res})
                         print(f"  {which} {db} p={p}: {res['steps_per_s']:.0f} steps/s, "

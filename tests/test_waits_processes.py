@@ -123,7 +123,9 @@ def test_children_finishing_in_the_same_instant_wake_their_parent_once(workers, 
     parents = [f"p{i}" for i in range(3)]
     for parent in parents:
         durable.submit("parent", parent, {"children": 2, "child": {"wait_file": str(gate)}})
-    proc = workers.start(processes=6)
+    # One job per process: six children can only all run once the three parents parked
+    # (freeing their processes), which the assertion below relies on.
+    proc = workers.start("--threads", "1", processes=6)
     wait_for(lambda: Job.objects.filter(parent__isnull=False, state="work_running").count() == 6,
              timeout=60, message="all six children to be running")
     assert parked(parents, "joining_fan_out") == 3

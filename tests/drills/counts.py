@@ -197,7 +197,7 @@ def duplicate_executions(started, memos, events, hit_pids, log=None):
     uncommitted run is described in ``log`` (a list), when given.
     """
     committed_by = {}
-    retried, reclaimed = set(), defaultdict(set)
+    retried, reclaimed, taken_over = set(), defaultdict(set), set()
     for ev in events:
         data = ev["data"] if isinstance(ev["data"], dict) else {}
         pid = actor_pid(ev["actor"])
@@ -208,6 +208,11 @@ def duplicate_executions(started, memos, events, hit_pids, log=None):
         if ev["kind"] == EventKind.RECLAIMED or (ev["message"] or "").startswith("Worker lost"):
             for m in PID_IN_TEXT.finditer(ev["message"] or ""):
                 reclaimed[ev["job_id"]].add(int(m.group(1)))
+            # A step taken over mid-run: every earlier holder of it lost its lease (a claim
+            # of a working state succeeds only once the lease expired), even one the
+            # message does not name because a holder in between committed its claim but
+            # lost its connection before its own "reclaimed" event.
+            taken_over.add((ev["job_id"], ev["step"]))
     committed = set()
     phantom = []
     for memo in memos:
@@ -223,13 +228,14 @@ def duplicate_executions(started, memos, events, hit_pids, log=None):
         groups[record[:2]].append(record)
     duplicates = allowed = 0
     details = []
-    for (job, _step), records in groups.items():
+    for (job, step_name), records in groups.items():
         unfinished = [r for r in records if r not in committed and r not in retried]
         # A run that did not commit is duplicated only by a later run of the same step.
         dup = len(unfinished) if len(unfinished) < len(records) else len(unfinished) - 1
         if dup <= 0:
             continue
-        hit = [r for r in unfinished if r[3] in hit_pids or r[3] in reclaimed[job]]
+        hit = [r for r in unfinished
+               if r[3] in hit_pids or r[3] in reclaimed[job] or (job, step_name) in taken_over]
         duplicates += dup
         allowed += min(dup, len(hit))
         if len(hit) < dup:

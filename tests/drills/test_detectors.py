@@ -84,6 +84,23 @@ def test_a_rerun_after_a_kill_or_a_reclaimed_lease_is_allowed():
     assert duplicate_executions(started, memos, events[1:], {101})[:2] == (1, 1)
 
 
+def test_a_rerun_after_a_takeover_is_allowed_when_the_reclaim_names_a_holder_in_between():
+    # 101's lease expired; thread 2 of 202 claimed the step, lost its connection before
+    # writing its own "reclaimed" event, and its lease expired too; 303 names 202.
+    started = [("j", "a", 1, 101), ("j", "a", 2, 303)]
+    memos = [{"job_id": "j", "step": "a", "attempt": 2}]
+    w3 = "vm:303:worker2.5"
+    events = [
+        ev(1, EventKind.RECLAIMED, "a_running", "a_running", w3,
+           message="lease of vm:202:worker1.2 expired; attempt 2"),
+        ev(2, EventKind.STEP_DONE, "a_running", "a_done", w3, data={"attempt": 2}),
+    ]
+    assert duplicate_executions(started, memos, events, set())[:2] == (1, 1)
+    # A takeover of another step of the job allows nothing here.
+    other = [{**events[0], "step": "b"}, events[1]]
+    assert duplicate_executions(started, memos, other, set())[:2] == (1, 0)
+
+
 def test_a_retry_after_a_recorded_failure_and_a_run_nobody_repeated_are_not_duplicates():
     started = [("j", "a", 1, 101), ("j", "a", 2, 101), ("j", "b", 1, 101)]
     memos = [{"job_id": "j", "step": "a", "attempt": 2}]

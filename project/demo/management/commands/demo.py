@@ -135,9 +135,11 @@ class Command(BaseCommand):
             self._spawn("site", [sys.executable, str(MANAGE), "runserver", f"127.0.0.1:{port}",
                                  "--noreload"], env)
             self.say(f"   site      http://127.0.0.1:{port}/admin/  (log: {self.folder}/site.log)")
+        # One thread per process: each kill below interrupts exactly the one step (or
+        # model call) the story names, not the other steps a threaded process holds.
         runworkers = self._spawn("workers", [sys.executable, str(MANAGE), "runworkers",
-                                             "--processes", str(workers)], env)
-        self.say(f"   runworkers --processes {workers}, pid {runworkers.pid}, lease {lease:g}s"
+                                             "--processes", str(workers), "--threads", "1"], env)
+        self.say(f"   runworkers --processes {workers} --threads 1, pid {runworkers.pid}, lease {lease:g}s"
                  f"  (log: {self.folder}/workers.log)")
 
         killed = agent_killed = None
