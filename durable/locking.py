@@ -2,7 +2,7 @@
 
 Every raw SQL statement of the engine runs here (its text is in ``durable.sql``). A
 job's lease is taken, renewed, fenced and ended only here (``claim_job``,
-``renew_lease``, ``renew_leases``, ``complete_step``, ``commit_memo``, ``park_job``, or ``transition()``'s
+``renew_leases``, ``complete_step``, ``commit_memo``, ``park_job``, or ``transition()``'s
 ``fields``); so is the dispatcher's lease on an outbox row (``claim_actions``,
 ``extend_action_lease``, ``release_action``, ``park_action``). ``Job.state`` is written
 only here, by ``insert_job``, ``claim_job``, ``complete_step`` and ``transition()``: the
@@ -267,45 +267,22 @@ def insert_job(*, key, workflow, version, queue, state, payload_json, run_after,
 # Jobs: leases and moves ------------------------------------------------------------------
 
 
-def renew_lease(job_id, token, lease_seconds):
-    """Extend a live lease; False when it was lost (expired or taken over).
-
-    Runs in its own short transaction from the worker's heartbeat thread. The
-    ``lease_until >= now`` guard makes an expired lease unrenewable even if nobody
-    has taken the job yet: the worker must not resurrect a claim others may act on.
-    """
-    until = now_plus(lease_seconds)
-    with transaction.atomic():
-        return bool(
-            Job.objects.filter(pk=job_id, lease_token=token, lease_until__gte=Now()).update(
-                lease_until=until, next_run_at=until
-            )
-        )
-
-
 def renew_leases(held, lease_seconds):
-    """Extend every live lease in ``held`` ((job id, token) pairs) with one statement.
+    """Extend every live lease in ``held`` ((job id, token) pairs) in one statement; the ids renewed.
 
-    Returns the ids whose lease was renewed; a pair missing from it lost its lease
-    (expired, taken over, or the job moved on) and its step's commit will be refused.
-    As in ``renew_lease()``, an expired lease is never renewed, even if nobody took the
-    job yet. The heartbeat of a worker process renews the leases of all its threads'
-    steps this way: one write per renewal round, not one per step; on SQLite one short
-    IMMEDIATE transaction.
+    A process's heartbeat renews all its threads' leases at once. A pair left out lost its
+    lease (its commit will be refused); an expired lease is never renewed, even if nobody
+    took the job yet: the worker must not resurrect a claim others may act on.
     """
-    held = list(held)
-    if not held:
+    if not (held := list(held)):
         return set()
     db = database()
     if db.vendor == "postgresql":
-        rows = pg_execute(sql.PG_RENEW_LEASES, {
-            "lease": float(lease_seconds), "ids": [job_id for job_id, _ in held],
-            "tokens": [int(token) for _, token in held],
-        }, db).fetchall()
-        return {row[0] for row in rows}
-    modifier = sqlite_delta(lease_seconds)
+        params = {"lease": float(lease_seconds), "ids": [job for job, _ in held],
+                  "tokens": [int(token) for _, token in held]}
+        return {row[0] for row in pg_execute(sql.PG_RENEW_LEASES, params, db).fetchall()}
     statement = sql.SQLITE_RENEW_LEASES.format(pairs=", ".join("(?, ?)" for _ in held))
-    params = [modifier, modifier, *(value for job_id, token in held for value in (job_id, int(token)))]
+    params = [sqlite_delta(lease_seconds)] * 2 + [v for job, token in held for v in (job, int(token))]
     return sqlite_transaction(
         lambda db: {row[0] for row in sqlite_execute(statement, params, db).fetchall()}, db)
 
@@ -618,7 +595,6 @@ def extend_action_lease(row, lease_seconds, *, only_if, **fields):
 __all__ = [
     "JOBS_CHANNEL", "OUTBOX_CHANNEL", "ClaimedAction", "Claimed", "MemoCommit", "StepCommit",
     "claim_actions", "claim_job", "commit_memo", "complete_step", "db_now", "insert_job",
-    "notify", "now_plus", "park_action", "park_job", "reclaim", "release_action", "renew_lease",
-    "renew_leases",
+    "notify", "now_plus", "park_action", "park_job", "reclaim", "release_action", "renew_leases",
     "transition",
 ]

@@ -46,7 +46,7 @@ PARTS = {
     "app": ["durable.apps", "durable.checks"],
     # Pure rules, no database: workflows and their tables, retry, identity, text forms.
     "policy": ["durable.workflows", "durable.states", "durable.retry", "durable.identity",
-               "durable.formats"],
+               "durable.formats", "durable.aio"],
     # The rows and every statement and lease write on them; the cost roll-ups.
     "store": ["durable.models", "durable.schedule_models", "durable.locking", "durable.sql",
               "durable.memos", "durable.wakeups", "durable.rollups"],
