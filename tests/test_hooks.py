@@ -120,7 +120,8 @@ def test_each_bad_request_gets_a_clear_4xx_and_changes_nothing(client, waiting, 
     elif case == "stale timestamp":
         response = post(client, raw, timestamp=time.time() - 301)
     elif case == "future timestamp":
-        response = post(client, raw, timestamp=time.time() + 301)
+        # Past the 300 s tolerance by more than a loaded machine takes to answer.
+        response = post(client, raw, timestamp=time.time() + 360)
     elif case == "timestamp not a number":
         response = post(client, raw, headers={**sign(SECRET, raw), "X-Durable-Timestamp": "soon"})
     elif case == "not JSON":
