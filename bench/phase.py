@@ -423,33 +423,6 @@ def phase_tasks(args):
 
 # The dispatcher: a slow receiver, and a destination that never answers ---------------------
 
-class Blackhole:
-    """A TCP server on 127.0.0.1 that accepts connections and never answers."""
-
-    def __init__(self):
-        import socket
-        import threading
-
-        self.sock = socket.create_server(("127.0.0.1", 0), backlog=512)
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.held = []
-        self._thread = threading.Thread(target=self._accept, daemon=True)
-        self._thread.start()
-
-    def _accept(self):
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.held.append(conn)  # read nothing, answer nothing; the client times out
-
-    def close(self):
-        self.sock.close()
-        for conn in self.held:
-            conn.close()
-
-
 def dispatch_slots(destination):
     """Actions to ``destination`` one dispatcher process may have in flight at once."""
     from durable.dispatch import Dispatcher

@@ -314,8 +314,7 @@ class Bench:
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
     def dispatch(self, db, stalled, repeat):
-        from bench.phase import Blackhole
-        from durable.testing import ReceiverProcess
+        from durable.testing import Blackhole, ReceiverProcess
 
         receiver = ReceiverProcess(self.tmp / f"receiver-dispatch-{db}-{repeat}.jsonl").start()
         blackhole = Blackhole()

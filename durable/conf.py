@@ -63,8 +63,13 @@ DEFAULTS = {
     # as a retryable failure, a new thread takes its place, and once more than this
     # many such threads are still running the process drains and is replaced.
     "MAX_ABANDONED_THREADS": 2,
-    # Outbox dispatcher: rows claimed per round, and HTTP (connect, read) timeouts.
+    # Outbox dispatcher: actions one dispatcher process sends at once (its threads, and
+    # the most one claim takes), and HTTP (connect, read) timeouts.
     "DISPATCH_BATCH_SIZE": 20,
+    # Actions a slow destination may have in flight per dispatcher process: one that has
+    # not answered yet, or whose last send got no reply (timed out, cut, unreachable).
+    # Each destination's own cap is its CONCURRENCY option (default: every slot).
+    "DISPATCH_SLOW_CONCURRENCY": 2,
     "HTTP_TIMEOUT": (3.05, 10.0),
     # Bounded lookups of an unknown action before it waits for an operator.
     "LOOKUP_ATTEMPTS": 5,

@@ -123,10 +123,19 @@ class Destination:
     # Seconds (or a (connect, read) pair) one dispatch or lookup can take at most; the
     # dispatcher holds a send's lease at least that long. None: unknown, so unbounded.
     timeout = None
+    # The most actions to it one dispatcher process sends at once (the CONCURRENCY
+    # option); None: as many as the dispatcher has slots. See durable.slots.
+    concurrency = None
 
-    def __init__(self, name="", **options):
+    def __init__(self, name="", concurrency=None, **options):
         if name:
             self.name = name
+        if concurrency is not None:
+            if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+                raise ImproperlyConfigured(
+                    f"Destination {self.name!r}: CONCURRENCY must be a whole number of at least 1,"
+                    f" not {concurrency!r}")
+            self.concurrency = concurrency
         if options:
             raise ImproperlyConfigured(
                 f"Destination {self.name!r}: unknown options {', '.join(sorted(options))}"

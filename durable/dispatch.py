@@ -19,7 +19,6 @@ recording) is unknown: it was perhaps sent.
 
 import json
 import logging
-from concurrent.futures import ThreadPoolExecutor
 
 from django.core.exceptions import ImproperlyConfigured
 from django.core.serializers.json import DjangoJSONEncoder
@@ -37,6 +36,7 @@ from .outbox import ActionContext, check_before_dispatch, complete, fail, step_o
 from .process import Drains, Waiter, keep_connections_healthy, worker_id
 from .retry import backoff, scrub
 from .signals import job_finished
+from .slots import Senders, Slots
 from .states import CANCELLED
 from .workflows import registry
 
@@ -67,7 +67,7 @@ class _Missing(destinations.Destination):
 
 
 class Dispatcher(Drains):
-    """Claims due outbox rows and sends them; one per process (several threads)."""
+    """Claims due outbox rows and sends them, one per slot; one per process (see durable.slots)."""
 
     # As safe as a crash on a second signal: an attempted row is reconciled by the next claim.
     draining_message = "recording the actions in flight, then exiting"
@@ -83,14 +83,14 @@ class Dispatcher(Drains):
         self.wait_for_workers = wait_for_workers
         self.lease_seconds = float(lease_seconds or durable_settings.LEASE_SECONDS)
         self.batch_size = int(batch_size or durable_settings.DISPATCH_BATCH_SIZE)
-        # Rows of one batch are sent concurrently, so one slow destination does not
-        # hold the others back past their leases.
+        # One slot per thread: the actions in flight at once, each destination its share.
         self.threads = int(threads or self.batch_size)
+        self.slots = Slots(self.threads, self.slots_for)
         self.waiter = OutboxWaiter(poll_interval or durable_settings.POLL_INTERVAL)
         # The dispatcher fires schedules too, so ticks are not late while every worker
         # is inside a long step (one job per tick whoever fires it).
         self.firer = None if burst else schedules.Firer()
-        self._pool = None
+        self._senders = None
         self.processed = 0
 
     def stop(self):
@@ -101,8 +101,9 @@ class Dispatcher(Drains):
 
     def run(self):
         faults.configure()
-        logger.info("%s started (lease %ss, batch %d%s)", self.name, self.lease_seconds,
-                    self.batch_size, ", burst" if self.burst else "")
+        logger.info("%s started (lease %ss, %d slots%s)", self.name, self.lease_seconds,
+                    self.threads, ", burst" if self.burst else "")
+        self._senders = Senders(self.threads, self._process_in_thread)
         failures = 0
         try:
             while not self._stopping:
@@ -110,23 +111,60 @@ class Dispatcher(Drains):
                     keep_connections_healthy()
                     if self.firer is not None:
                         self.firer.maybe_fire()
-                    if self.run_once():
+                    self.slots.freed.clear()
+                    started, full = self._fill()
+                    if started:
                         failures = 0
                         continue
-                    if self.burst and self._idle():
+                    if full:
+                        # Due rows may wait for a slot of their destination: claim again
+                        # when one frees, and (if a slot is free) soon for the others' rows.
+                        self.slots.freed.wait(0.1 if self.slots.free else self.waiter.poll_interval)
+                    elif self.slots.busy:
+                        self.waiter.wait(lambda: self._stopping or self.slots.freed.is_set())
+                    elif self.burst and self._idle():
                         break
-                    self.waiter.wait(lambda: self._stopping)
+                    else:
+                        self.waiter.wait(lambda: self._stopping)
                     failures = 0
                 except (DatabaseError, InterfaceError) as exc:
                     # A row marked attempted stays so and is reconciled after its lease.
                     failures += 1
                     self.recover_from_database_error(exc, failures, self.waiter)
         finally:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
+            self._senders.close()  # the actions in flight are recorded first
             self.waiter.close()
             connection.close()
             logger.info("%s stopped", self.name)
+
+    def _fill(self):
+        """Claim due rows for the free slots, each within its destination's share, and start them.
+
+        Returns (rows started, whether a slot must free before some due rows may start:
+        every slot is busy, or a destination holds its whole share).
+        """
+        free = self.slots.free
+        if free == 0:
+            return 0, True
+        rooms, room = self.slots.rooms(destinations.registry.names())
+        rows = locking.claim_actions(self.name, self.lease_seconds, min(free, self.batch_size),
+                                     rooms=rooms, room=room)
+        for row in rows:
+            self.slots.take(row.destination)
+            self._senders.submit(row, self._sent)
+        self.processed += len(rows)
+        return len(rows), 0 in rooms.values()
+
+    def _sent(self, row):
+        self.slots.done(row.destination)
+
+    def slots_for(self, destination):
+        """The most actions to ``destination`` this dispatcher sends at once (its CONCURRENCY)."""
+        try:
+            limit = destinations.get(destination).concurrency
+        except (UnknownDestination, ImproperlyConfigured):
+            limit = None
+        return self.threads if limit is None else max(1, min(int(limit), self.threads))
 
     def _idle(self):
         """Burst mode: nothing due now, and no job that could still produce an action now."""
@@ -147,7 +185,10 @@ class Dispatcher(Drains):
         return not busy.exclude(workflow__in=Pause.objects.values("workflow")).exists()
 
     def run_once(self):
-        """Claim one batch of due rows and settle each; return how many were claimed."""
+        """Claim up to ``batch_size`` due rows, settle them all, and return how many were claimed.
+
+        One round, for tests and tools; ``run()`` fills each slot as it frees instead.
+        """
         rows = locking.claim_actions(self.name, self.lease_seconds, self.batch_size)
         if not rows:
             return 0
@@ -158,10 +199,12 @@ class Dispatcher(Drains):
                     break
                 self._settle(row)
         else:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="durable-dispatch")
-            for future in [self._pool.submit(self._process_in_thread, row) for row in rows]:
-                future.result()
+            senders = Senders(min(self.threads, len(rows)), self._process_in_thread)
+            try:
+                for row in rows:
+                    senders.submit(row, lambda row: None)
+            finally:
+                senders.close()  # its threads close their connections
         self.processed += len(rows)
         return len(rows)
 
@@ -176,16 +219,15 @@ class Dispatcher(Drains):
             logger.exception("%s action=%s could not be settled", self.name, row.id)
 
     def _process_in_thread(self, row):
+        if self._stopping:
+            self._release([row])  # claimed as the drain began: not started, given back
+            return
         try:
             self._settle(row)
         except (DatabaseError, InterfaceError) as exc:
             # This row's lease expires and another claim picks it up; nothing is lost.
+            # The thread's connection is replaced before its next row if it broke.
             logger.warning("%s action=%s database error: %s", self.name, row.id, exc)
-        finally:
-            # A pool thread's connection is closed after every row: the pool may be
-            # dropped without a shutdown, and an orphaned connection is a leak (one
-            # reconnect per action is small beside the HTTP round trip it serves).
-            connection.close()
 
     def _release(self, rows):
         """Give back rows claimed but not started (a drain between rows)."""
@@ -311,6 +353,10 @@ class Dispatcher(Drains):
         logger.info("%s action=%s job=%s is %s: not sent", self.name, row.id, job.pk, job.state)
 
     def _record(self, ctx, outcome, previous):
+        # A reply (a result or a refusal) earns the destination its share of the slots;
+        # none (timed out, cut, not reachable) leaves it the slow share (durable.slots).
+        self.slots.answered(ctx.row.destination,
+                            replied=outcome.status in (destinations.SUCCEEDED, destinations.FAILED))
         if outcome.status == destinations.SUCCEEDED:
             self._succeeded(ctx, outcome.remote_id, outcome.summary, outcome.data, "dispatch")
         elif outcome.status == destinations.FAILED:
@@ -477,6 +523,8 @@ class Dispatcher(Drains):
             except Exception as exc:  # noqa: BLE001 - a broken lookup cannot tell
                 found = destinations.LookupResult.cannot_tell(
                     dest.redact(f"lookup raised {type(exc).__name__}: {exc}"))
+            self.slots.answered(row.destination,
+                                replied=found.status in (destinations.FOUND, destinations.NOT_FOUND))
             if found.status == destinations.FOUND:
                 return self._succeeded(ctx, found.remote_id, found.summary, found.data, "lookup")
             if found.status == destinations.NOT_FOUND:
@@ -514,7 +562,7 @@ class OutboxWaiter(Waiter):
     channel = OUTBOX_CHANNEL
 
     def seconds_until_due(self):
-        due = locking.next_due()
+        due = Outbox.objects.next_due()
         return None if due is None else (due - locking.db_now()).total_seconds()
 
 

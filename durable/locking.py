@@ -137,13 +137,11 @@ _NO_STARTS = Starts(())
 def claim_job(owner, lease_seconds, workflows=None, queues=None, starts=None):
     """Take the lease of the oldest due job and start its step, or return None.
 
-    One write of its own, or part of the caller's transaction: one statement on
-    PostgreSQL (SKIP LOCKED: concurrent workers pass over each other's candidates), a
-    select-then-update in one IMMEDIATE transaction on SQLite (it holds the single
-    write lock, so nothing races). A job whose lease expired is simply due again:
-    reclaiming a dead worker's job is the normal claim path. ``starts`` says which
-    states the claim moves to their step's working state, with an event;
-    ``Claimed.started_step`` is then the step started, else None.
+    One statement on PostgreSQL (SKIP LOCKED: workers pass over each other's candidates);
+    select then update in one IMMEDIATE transaction on SQLite (it holds the write lock).
+    A job whose lease expired is simply due again: reclaiming a dead worker's job is the
+    normal claim. ``starts`` says which states the claim moves to their step's working
+    state, with an event; ``Claimed.started_step`` is then the step started, else None.
     """
     db = database()
     if db.vendor == "postgresql":
@@ -389,14 +387,12 @@ _MICROSECOND = datetime.timedelta(microseconds=1)
 def complete_step(claimed, path, commit, *, then_claim=None):
     """Advance a leased job along ``path`` and write ``commit`` (a ``StepCommit``): one fenced write.
 
-    ``transition()`` plus a ``StepResult`` insert, as raw SQL because it runs once per
-    step on every worker: on PostgreSQL one statement that commits itself outside a
-    transaction (one round trip a step); on SQLite three statements in one IMMEDIATE
-    transaction (the caller's, or its own). The caller has checked the edges.
-    ``then_claim`` = (owner, workflows, queues, starts) also claims the next job, as
-    ``claim_job()``, in the same transaction: one commit for both (psycopg's pipeline
-    mode, measured, saved no time and cost CPU). Returns (completed, next Claimed or
-    None); not completed means nothing was written (the lease was lost or the job moved).
+    ``transition()`` plus a ``StepResult`` insert, as raw SQL since it runs once per step:
+    one self-committing statement on PostgreSQL, three in one IMMEDIATE transaction on
+    SQLite. The caller has checked the edges. ``then_claim`` = (owner, workflows, queues,
+    starts) also claims the next job in the same transaction: one commit for both
+    (psycopg's pipeline mode, measured, saved no time and cost CPU). Returns (completed,
+    next Claimed or None); not completed: nothing written (lease lost or job moved).
     """
     db = database()
     if db.vendor == "postgresql":
@@ -528,21 +524,32 @@ class ClaimedAction:
         return self.id
 
 
-def claim_actions(owner, lease_seconds, limit):
-    """Take the lease of up to ``limit`` due outbox rows, oldest first, in one short transaction.
+def claim_actions(owner, lease_seconds, limit, rooms=None, room=None):
+    """Take the lease of up to ``limit`` due outbox rows, oldest first: one short transaction.
 
-    PostgreSQL: one statement; ``FOR UPDATE SKIP LOCKED`` lets several dispatchers claim
-    different rows at once. SQLite: select then update in one IMMEDIATE transaction
-    (it holds the write lock, so nothing races between).
+    ``rooms`` caps the rows per destination ({name: n}; 0 skips its rows), ``room`` those
+    of any other (default ``limit``). One statement on PostgreSQL (SKIP LOCKED); on
+    SQLite select then update in one IMMEDIATE transaction (it holds the write lock).
     """
+    rooms = rooms or {}
+    full = [name for name, n in rooms.items() if n <= 0]
+    room = int(limit if room is None else room)
     db = database()
     if db.vendor == "postgresql":
-        rows = pg_execute(sql.PG_CLAIM_ACTIONS, {"owner": owner, "lease": float(lease_seconds),
-                                                 "limit": int(limit)}, db).fetchall()
+        names = [name for name, n in rooms.items() if n > 0]
+        rows = pg_execute(sql.PG_CLAIM_ACTIONS, {
+            "owner": owner, "lease": float(lease_seconds), "limit": int(limit), "full": full,
+            "names": names, "rooms": [int(rooms[name]) for name in names], "room": room,
+        }, db).fetchall()
         return [ClaimedAction(row[:-1], row[-1]) for row in rows]
 
     def write(db):
-        picked = dict(sqlite_execute(sql.SQLITE_PICK_ACTIONS, (int(limit),), db).fetchall())
+        statement = sql.SQLITE_PICK_ACTIONS.format(full=", ".join("?" for _ in full))
+        left, picked = dict(rooms), {}
+        for action_id, previous_owner, destination in sqlite_execute(statement, (*full, int(limit)), db):
+            if left.setdefault(destination, room) > 0:
+                left[destination] -= 1
+                picked[action_id] = previous_owner
         if not picked:
             return []
         modifier = sqlite_delta(lease_seconds)
@@ -554,21 +561,13 @@ def claim_actions(owner, lease_seconds, limit):
     return sqlite_transaction(write, db)
 
 
-def next_due():
-    """When the earliest outbox row becomes due (served by the partial index), or None."""
-    return (Outbox.objects.filter(next_attempt_at__isnull=False).order_by("next_attempt_at")
-            .values_list("next_attempt_at", flat=True).first())
-
-
-def release_action(row, *, after=0.0, status=None, only_if=None, **fields):
-    """End a claimed outbox row's lease, writing ``status`` and ``fields`` with it.
+def release_action(row, *, after=0.0, only_if=None, **fields):
+    """End a claimed outbox row's lease, writing ``fields`` (its new status, ...) with it.
 
     Due again in ``after`` seconds by the database clock (0: now; None: not by itself).
     Fenced by the claim's token and, with ``only_if``, the status the row must still
     have; False (nothing written) when the lease was lost or the status moved.
     """
-    if status is not None:
-        fields["status"] = status
     due = None if after is None else (Now() if not after else now_plus(after))
     rows = Outbox.objects.filter(pk=row.id, lease_token=row.lease_token)
     if only_if is not None:
@@ -584,8 +583,7 @@ def park_action(row, **fields):
 def extend_action_lease(row, lease_seconds, *, only_if, **fields):
     """Renew a claimed outbox row's lease for its send, writing ``fields``; fenced as above.
 
-    The row is due again when the new lease ends: a dispatcher that dies mid-send
-    leaves it to the next claim.
+    Due again when the new lease ends: a dispatcher that dies mid-send leaves it to the next claim.
     """
     until = now_plus(lease_seconds)
     return bool(Outbox.objects.filter(pk=row.id, lease_token=row.lease_token, status=only_if)

@@ -304,6 +304,11 @@ class OutboxQuerySet(models.QuerySet):
         """Rows the dispatcher should work on now."""
         return self.filter(next_attempt_at__lte=Now())
 
+    def next_due(self):
+        """When the earliest row becomes due (served by the partial index), or None."""
+        return (self.filter(next_attempt_at__isnull=False).order_by("next_attempt_at")
+                .values_list("next_attempt_at", flat=True).first())
+
     def unknown(self):
         return self.filter(status=OutboxStatus.UNKNOWN)
 

@@ -311,20 +311,31 @@ RETURNING id
 
 # Outbox rows: claiming ------------------------------------------------------------------------
 
-# Lease up to %(limit)s due outbox rows whose job's workflow is not paused. SKIP LOCKED lets
-# several dispatchers claim different rows at once; next_attempt_at moves to the lease's end,
-# so a dispatcher that dies leaves the row due again exactly when its lease expires.
+# Lease up to %(limit)s due outbox rows whose job's workflow is not paused, oldest first,
+# at most the room given per destination (%(names)s/%(rooms)s; any other: %(room)s) and none
+# of the %(full)s ones. SKIP LOCKED lets several dispatchers claim different rows at once;
+# next_attempt_at moves to the lease's end, so a dispatcher that dies leaves the row due
+# again exactly when its lease expires.
 PG_CLAIM_ACTIONS = """
 WITH candidate AS (
-    SELECT o.id, o.lease_owner AS previous_owner
+    SELECT o.id, o.destination, o.next_attempt_at, o.lease_owner AS previous_owner
     FROM durable_outbox o
     WHERE o.next_attempt_at <= statement_timestamp()
+      AND o.destination <> ALL(%(full)s::text[])
       AND NOT EXISTS (
           SELECT 1 FROM durable_job j JOIN durable_pause p ON p.workflow = j.workflow
           WHERE j.id = o.job_id)
     ORDER BY o.next_attempt_at
     LIMIT %(limit)s
     FOR UPDATE OF o SKIP LOCKED
+), chosen AS (
+    SELECT c.id, c.previous_owner
+    FROM (SELECT candidate.*, row_number() OVER (PARTITION BY destination
+                                                  ORDER BY next_attempt_at, id) AS n
+          FROM candidate) c
+    LEFT JOIN unnest(%(names)s::text[], %(rooms)s::int[]) AS r(destination, room)
+           ON r.destination = c.destination
+    WHERE c.n <= COALESCE(r.room, %(room)s)
 )
 UPDATE durable_outbox AS o
 SET lease_owner = %(owner)s,
@@ -332,18 +343,21 @@ SET lease_owner = %(owner)s,
     lease_until = statement_timestamp() + %(lease)s * interval '1 second',
     next_attempt_at = statement_timestamp() + %(lease)s * interval '1 second',
     updated = statement_timestamp()
-FROM candidate
-WHERE o.id = candidate.id
+FROM chosen
+WHERE o.id = chosen.id
 RETURNING o.id, o.job_id, o.kind, o.destination, o.operation, o.payload::text,
           o.idempotency_key, o.status, o.attempts, o.lookups, o.lease_token, o.version,
-          o.last_error, candidate.previous_owner
+          o.last_error, chosen.previous_owner
 """
 
-# Up to ? due outbox rows whose job's workflow is not paused, oldest first, with their
-# previous lease owner (SQLITE_TAKE_ACTIONS follows in the same IMMEDIATE transaction).
+# Up to ? due outbox rows whose job's workflow is not paused and whose destination is none
+# of the {full} ones (one ? each), oldest first, with their previous lease owner; locking
+# keeps each destination's room of them (SQLITE_TAKE_ACTIONS follows in the same IMMEDIATE
+# transaction).
 SQLITE_PICK_ACTIONS = f"""
-SELECT o.id, o.lease_owner FROM durable_outbox o
+SELECT o.id, o.lease_owner, o.destination FROM durable_outbox o
 WHERE o.next_attempt_at <= {SQLITE_NOW}
+  AND o.destination NOT IN ({{full}})
   AND NOT EXISTS (
       SELECT 1 FROM durable_job j JOIN durable_pause p ON p.workflow = j.workflow
       WHERE j.id = o.job_id)

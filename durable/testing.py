@@ -40,9 +40,10 @@ from pathlib import Path
 
 from .fake_openai import FakeModelServer, reply, tool_call
 from .receiver import MODES, Receiver, read_store
+from .testing_blackhole import Blackhole
 from .testing_models import ScriptedModel
 
-__all__ = ["MODES", "FakeModelServer", "Receiver", "ReceiverProcess", "ScriptedModel", "read_store",
+__all__ = ["MODES", "Blackhole", "FakeModelServer", "Receiver", "ReceiverProcess", "ScriptedModel", "read_store",
            "reply", "tool_call"]
 
 

@@ -66,9 +66,9 @@ class Workers:
     def start(self, *args, processes=1, env=None, **extra):
         log_path = self.tmp_path / f"workers-{len(self.procs)}.log"
         with open(log_path, "wb") as log:
+            count = () if processes is None else ("--processes", str(processes))
             proc = subprocess.Popen(
-                [sys.executable, str(ROOT / "manage.py"), "runworkers", "--processes",
-                 str(processes), *args],
+                [sys.executable, str(ROOT / "manage.py"), "runworkers", *count, *args],
                 cwd=ROOT, env=worker_env(**(env or {}), **extra), stdout=log,
                 stderr=subprocess.STDOUT, start_new_session=True,
             )

@@ -57,8 +57,8 @@ PARTS = {
     # The processes that claim and run jobs.
     "engine": ["durable.runner", "durable.worker", "durable.supervisor"],
     # Effects that leave the system: the outbox, its dispatcher, destinations, decisions.
-    "actions": ["durable.outbox", "durable.dispatch", "durable.approvals", "durable.reconcile",
-                "durable.destinations", "durable.reprepare"],
+    "actions": ["durable.outbox", "durable.dispatch", "durable.slots", "durable.approvals",
+                "durable.reconcile", "durable.destinations", "durable.reprepare"],
     # One implementation of every verb for code, console and CLI.
     "verbs": ["durable.services", "durable.purge", "durable.audit"],
     # The operators' questions as plain data.
@@ -82,7 +82,8 @@ PARTS = {
                "durable.agent_pages",
                "durable.llm", "durable.toolschema"],
     # For users' tests and the demo: the receiver, the fake model server, scripted models.
-    "testing": ["durable.testing", "durable.receiver", "durable.testing_models", "durable.fake_openai"],
+    "testing": ["durable.testing", "durable.receiver", "durable.testing_models", "durable.fake_openai",
+                "durable.testing_blackhole"],
 }
 
 # The parts from the bottom up. An import cycle is blamed on its arrows that point up
