@@ -7,8 +7,10 @@ confirmation page that restates what will change and asks for a reason.
 
 import json
 from contextvars import ContextVar
+from decimal import Decimal
 
 from django.contrib import admin
+from django.contrib.admin.views.main import ChangeList
 from django.core.paginator import Paginator
 from django.db import connections
 from django.db.models import DecimalField, OuterRef, Subquery, Sum
@@ -192,6 +194,31 @@ def _cost_so_far():
     return Coalesce(Subquery(memos, output_field=output), 0, output_field=output)
 
 
+def _orders_by_cost(request, list_display):
+    """Whether the job list's ``o`` parameter sorts by the cost column."""
+    column = str(list_display.index("cost_so_far") + 1)
+    return any(part.lstrip("-") == column for part in request.GET.get("o", "").split("."))
+
+
+class JobChangeList(ChangeList):
+    """The job list, its page's costs read for its rows only (one grouped query).
+
+    As an annotation, the cost is a subquery per job the filter matches: SQLite computes
+    it for every row it sorts, before the page is cut.
+    """
+
+    def get_results(self, request):
+        super().get_results(request)
+        rows = list(self.result_list)
+        missing = [job.pk for job in rows if not hasattr(job, "cost_total")]
+        if missing:
+            costs = reports.job_costs(missing)
+            for job in rows:
+                if not hasattr(job, "cost_total"):
+                    job.cost_total = costs.get(job.pk) or Decimal(0)
+        self.result_list = rows
+
+
 class ReadOnlyAdmin(admin.ModelAdmin):
     """Rows written by the engine are read here, never edited or deleted."""
 
@@ -224,7 +251,14 @@ class JobAdmin(ReadOnlyAdmin):
     change_list_template = "admin/durable/job/change_list.html"
 
     def get_queryset(self, request):
-        return super().get_queryset(request).annotate(cost_total=_cost_so_far())
+        queryset = super().get_queryset(request)
+        if _orders_by_cost(request, self.list_display):
+            # Sorting by cost needs every job's cost; otherwise only the page's are read.
+            return queryset.annotate(cost_total=_cost_so_far())
+        return queryset
+
+    def get_changelist(self, request, **kwargs):
+        return JobChangeList
 
     def get_search_results(self, request, queryset, search_term):
         """Keys that start with the term (an index range), not a scan for it anywhere."""

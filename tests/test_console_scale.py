@@ -204,3 +204,19 @@ def test_a_long_job_list_says_its_count_is_a_bound(operator, monkeypatch):
     else:
         assert "more than 3 jobs" in page
     assert "more than" not in exact and "(estimated)" not in exact and "1 job" in exact
+
+
+def test_the_job_list_reads_the_costs_of_its_page_and_still_sorts_by_cost(operator):
+    cheap, dear = make_job("cheap", "pending", age=20), make_job("dear", "pending", age=10)
+    make_memo(cheap, "extract", "0.001")
+    make_memo(dear, "extract", "0.5")
+
+    with CaptureQueriesContext(connection) as captured:
+        listed = operator.get("/admin/durable/job/").context["cl"].result_list
+    by_cost = operator.get("/admin/durable/job/?o=-8").context["cl"].result_list
+
+    assert {j.pk: j.cost_total for j in listed} == {"dear": Decimal("0.5"), "cheap": Decimal("0.001")}
+    # No cost subquery per job in the list's query: one grouped query for the page.
+    assert not any("durable_stepresult" in q["sql"] and "durable_job" in q["sql"] and "LIMIT" in q["sql"]
+                   for q in captured.captured_queries)
+    assert [j.pk for j in by_cost] == ["dear", "cheap"]
