@@ -1,6 +1,6 @@
 """Run the drills and print the table of counts.
 
-    python -m tests.drills.run --size small|release --database sqlite|postgres [--only NAME]
+    python -m tests.drills.run --size small|release --database sqlite|postgres [--only NAME] [--threads N]
 
 Each drill runs on a fresh database of its own (created here and dropped at the end).
 ``--restart-postgres`` adds the PostgreSQL restart to the small size (the release size
@@ -87,7 +87,7 @@ def _partition(lab, size):
     """The partition drill builds its own hosts and cluster, in a process of its own."""
     from .partition import run_in_subprocess
 
-    rows, skipped = run_in_subprocess(size.name, lab.workdir)
+    rows, skipped = run_in_subprocess(size.name, lab.workdir, threads=lab.threads)
     if skipped:
         raise RuntimeError(skipped)
     return rows
@@ -105,6 +105,8 @@ def main(argv=None):
     parser.add_argument("--verbose", "-v", action="store_true",
                         help="list every duplicate execution and what allowed it")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="threads per worker process (default: the setting's default)")
     args = parser.parse_args(argv)
 
     workdir = Path(tempfile.mkdtemp(prefix="durable-drills-"))
@@ -136,7 +138,7 @@ def main(argv=None):
                 skipped.append(f"{name}: {drill}")
                 continue
             call_command("flush", interactive=False, verbosity=0)
-            lab = Lab(workdir / name.replace(":", "-"), seed=args.seed)
+            lab = Lab(workdir / name.replace(":", "-"), seed=args.seed, threads=args.threads)
             print(f"... {name}", file=sys.stderr, flush=True)
             try:
                 rows.extend(drill(lab))
