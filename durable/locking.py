@@ -255,8 +255,7 @@ def insert_job(*, key, workflow, version, queue, state, payload_json, run_after,
                                                      payload_json, run_after, submitted_by), db).fetchone()
         if row is None:
             return None
-        sqlite_execute(sql.SQLITE_EVENT, (key, EventKind.SUBMITTED.value, "", state, "", submitted_by,
-                                          message, None), db)
+        sqlite_execute(sql.SQLITE_SUBMITTED_EVENT, (message, key), db)
         return tuple(sqlite_datetime(value) for value in row)
 
     return sqlite_transaction(write, db)

@@ -171,7 +171,8 @@ WITH job AS (
 SELECT created, updated, next_run_at, (SELECT count(*) FROM woken) FROM job
 """
 
-# Insert a job (its event is SQLITE_EVENT, in the same transaction); no row when it exists.
+# Insert a job (its event is SQLITE_SUBMITTED_EVENT, in the same transaction); no row when it
+# exists.
 SQLITE_INSERT_JOB = f"""
 INSERT INTO durable_job (id, workflow, workflow_version, queue, state, payload, result, attempts,
                          next_run_at, lease_until, lease_owner, lease_token, wake_at, last_error,
@@ -180,6 +181,14 @@ VALUES (?, ?, ?, ?, ?, ?, NULL, 0, coalesce(?, {SQLITE_NOW}), NULL, NULL, 0, NUL
         {SQLITE_NOW}, {SQLITE_NOW})
 ON CONFLICT (id) DO NOTHING
 RETURNING created, updated, next_run_at
+"""
+
+# The "submitted" event of the job just inserted, stamped with the job's created (as on
+# PostgreSQL): SQLite's now is taken once per statement, so SQLITE_NOW here could read a
+# later millisecond than the insert did.
+SQLITE_SUBMITTED_EVENT = """
+INSERT INTO durable_jobevent (job_id, at, kind, from_state, to_state, step, actor, message, data)
+SELECT id, created, 'submitted', '', state, '', submitted_by, ?, NULL FROM durable_job WHERE id = ?
 """
 
 

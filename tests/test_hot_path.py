@@ -74,6 +74,17 @@ def test_submit_writes_the_job_and_its_event_with_database_stamps():
     assert (event.kind, event.to_state, event.at) == (EventKind.SUBMITTED, "pending", stored.created)
 
 
+def test_every_submitted_event_carries_its_jobs_created_stamp():
+    # On SQLite the event is a second statement, and each statement reads its own now: the
+    # event must take the job's stamp, not a clock that may have moved a millisecond since.
+    for i in range(200):
+        durable.submit("recorded", f"j{i}", {}, submitted_by="api")
+    created = dict(Job.objects.values_list("pk", "created"))
+    events = list(JobEvent.objects.values_list("job_id", "kind", "to_state", "actor", "at"))
+    assert len(events) == 200
+    assert [e for e in events if e[1:] != (EventKind.SUBMITTED, "pending", "api", created[e[0]])] == []
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_conflict_inside_the_callers_transaction_leaves_it_usable():
     durable.submit("recorded", "j", {"n": 1})
