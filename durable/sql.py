@@ -46,9 +46,11 @@ PG_UNTIL_JOB_DUE = """
 SELECT EXTRACT(EPOCH FROM min(next_run_at) - statement_timestamp())::float8
 FROM durable_job WHERE next_run_at IS NOT NULL
 """
-# Seconds from now until the earliest job is due (NULL: none is).
+# Seconds from now until the earliest job is due (NULL: none is), to the millisecond of
+# SQLite's clock: the difference of two julian days carries a float error of some 40 µs,
+# which would put a job due in exactly 60 s at 60.00004 s.
 SQLITE_UNTIL_JOB_DUE = """
-SELECT (julianday(min(next_run_at)) - julianday('now')) * 86400.0
+SELECT round((julianday(min(next_run_at)) - julianday('now')) * 86400.0, 3)
 FROM durable_job WHERE next_run_at IS NOT NULL
 """
 

@@ -116,6 +116,16 @@ def test_an_idle_worker_learns_when_the_next_job_is_due_in_one_read():
     assert locking.seconds_until_due() is None
 
 
+def test_a_job_due_in_a_minute_is_never_reported_further_away():
+    # Read in the millisecond of the submit, the wait is the full minute, not a hair more.
+    import datetime
+
+    for i in range(50):
+        durable.submit("recorded", f"j{i}", {}, run_after=locking.db_now() + datetime.timedelta(seconds=60))
+        assert 55 < locking.seconds_until_due() <= 60
+        Job.objects.all().delete()
+
+
 @pytest.mark.skipif(ON_POSTGRES, reason="SQLite's own transaction helper")
 @pytest.mark.django_db(transaction=True)
 def test_a_failed_write_on_sqlite_rolls_back_and_leaves_no_transaction_open():
