@@ -10,6 +10,7 @@ same tick (a lock bypassed, a row reset) make one job. No leader, no beat proces
 """
 
 import datetime
+import functools
 import logging
 import time
 
@@ -184,7 +185,10 @@ def fire_one(schedule):
             if job is not None:
                 row.last_job = job
                 submitted += 1
-                logger.info("schedule %s fired tick %s: job %s", schedule.name, _iso(tick), job)
+                # Said once the pass commits: a pass rolled back (its process killed, a
+                # database error) fired nothing, and the next pass fires that tick.
+                transaction.on_commit(functools.partial(
+                    logger.info, "schedule %s fired tick %s: job %s", schedule.name, _iso(tick), job))
                 if tick in decided.caught_up:
                     _event(row, ScheduleEventKind.CAUGHT_UP, tick=tick, job=job,
                            message=f"late tick run after downtime (catch-up policy {schedule.catch_up})")

@@ -11,6 +11,7 @@ import json
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
+from django.db import transaction
 from django.test import override_settings
 
 from durable import Schedule, cron, locking, schedules, services
@@ -282,6 +283,21 @@ def test_two_firers_of_one_tick_make_one_job(every_second):
     assert Job.objects.filter(pk__in=keys).count() == len(keys)
     assert Job.objects.count() == len(decided_ticks(probe, since))
     assert Job.objects.get(pk=keys[0]).submitted_by == "schedule:probe"
+
+
+def test_a_firing_is_logged_when_it_commits_and_not_when_it_is_rolled_back(
+        every_second, caplog, django_capture_on_commit_callbacks):
+    probe = every_second["probe"]
+    rewind("probe", 2.5)
+    with caplog.at_level("INFO", logger="durable.schedules"):
+        with pytest.raises(RuntimeError), django_capture_on_commit_callbacks(execute=True):
+            with transaction.atomic():
+                assert schedules.fire_one(probe) >= 2
+                raise RuntimeError("the pass's process died before its commit")
+        assert "fired tick" not in caplog.text and not Job.objects.exists()
+        with django_capture_on_commit_callbacks(execute=True):
+            fired = schedules.fire_one(probe)
+    assert fired >= 2 and caplog.text.count("fired tick") == fired == Job.objects.count()
 
 
 def test_downtime_is_recorded_as_an_event_with_the_policy(every_second):
