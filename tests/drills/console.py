@@ -3,9 +3,11 @@
 It does what the admin and the dashboard do, as fast as it can: the dashboard's
 state counts, stuck and failure queries, the cost report, a job list page, retry-now
 and pause/resume (operator writes), and submits. Every "database is locked" it meets
-is counted. On SIGTERM it writes a JSON report and exits.
+is counted. After every operation it writes how many it has done to PROGRESS (when
+given), so the drill can start the workers once the console is working and keep them
+busy until it has done its share beside them. On SIGTERM it writes a JSON report and exits.
 
-    python -m tests.drills.console REPORT.json EXECUTIONS_LOG
+    python -m tests.drills.console REPORT.json EXECUTIONS_LOG [PROGRESS]
 """
 
 import json
@@ -19,6 +21,7 @@ import time
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     report_path, exec_log = argv[0], argv[1]
+    progress = open(argv[2], "w") if len(argv) > 2 else None  # noqa: SIM115 - open until exit
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
     import django
 
@@ -80,6 +83,10 @@ def main(argv=None):
         except DurableError:
             pass  # a refused operator verb (live lease, wrong state) is the console working
         stats["ops"] += 1
+        if progress is not None:
+            progress.seek(0)
+            progress.write(f"{stats['ops']:12d}\n")
+            progress.flush()
     with open(report_path, "w") as fh:
         json.dump(stats, fh)
 

@@ -434,22 +434,79 @@ def clock_skew(lab, size):
 # 7. SQLite under contention -----------------------------------------------------------
 
 
+# The console's operations before any worker starts (it is up and working), and beside
+# the workers' writes (counted from when every worker process has claimed a job until
+# the last job settles): the workers are kept busy until the console has done these.
+CONSOLE_WARM_OPS = 20
+CONSOLE_OVERLAP_OPS = 200
+
+
 def sqlite_contention(lab, size, transaction_mode="IMMEDIATE"):
-    """Four workers and a busy console on SQLite; count 'database is locked' wherever it shows."""
+    """Four workers and a busy console on SQLite; count 'database is locked' wherever it shows.
+
+    The console starts first and the workers only once it is working; more jobs are
+    submitted while it has done fewer than CONSOLE_OVERLAP_OPS operations beside the
+    workers, so its load overlaps their writes however fast either side runs.
+    """
+    from durable.models import EventKind, Job, JobEvent
+
     began = time.monotonic()
+    mode = transaction_mode.lower()
     env = {"DURABLE_SQLITE_TRANSACTION_MODE": transaction_mode}
-    lab.submit(size.contention_jobs, prefix=f"busy-{transaction_mode.lower()}", work=0.001)
-    console_log = lab.workdir / f"console-{transaction_mode.lower()}.json"
-    proc = lab.runworkers(size.contention_workers, env=env)
+    batch = size.contention_jobs
+    lab.submit(batch, prefix=f"busy-{mode}", work=0.001)
+    console_log = lab.workdir / f"console-{mode}.json"
+    progress = lab.workdir / f"console-{mode}.ops"
     with open(lab.workdir / "console.log", "wb") as err:
         console = subprocess.Popen(
-            [sys.executable, "-m", "tests.drills.console", str(console_log), str(lab.exec_log)],
+            [sys.executable, "-m", "tests.drills.console", str(console_log), str(lab.exec_log),
+             str(progress)],
             cwd=ROOT, env=lab.env(**env), stdout=err, stderr=subprocess.STDOUT,
         )
+
+    seen = [0]
+
+    def console_ops():
+        try:  # a read in the middle of the console's rewrite is no figure: the last one stands
+            seen[0] = max(seen[0], int(progress.read_text()))
+        except (FileNotFoundError, ValueError):
+            pass
+        return seen[0]
+
+    if not _wait(lambda: console_ops() >= CONSOLE_WARM_OPS or console.poll() is not None, 120, 0.05) \
+            or console.poll() is not None:
+        console.kill()
+        raise RuntimeError("the console did not start working:\n"
+                           + (lab.workdir / "console.log").read_text(errors="replace")[-3000:])
+    proc = lab.runworkers(size.contention_workers, env=env)
+    started, more = {}, [0]
+
+    def keep_busy():
+        # Jobs waiting for every worker while the console has not done its share beside them.
+        if lab.unsettled() < batch // 2:
+            more[0] += 1
+            lab.submit(batch, prefix=f"busy-{mode}-more{more[0]}", work=0.001)
+
+    def writing():
+        actors = JobEvent.objects.filter(kind=EventKind.CLAIMED).values_list("actor", flat=True)
+        return len({actor.split(":")[1] for actor in actors.distinct()}) >= size.contention_workers
+
+    def finished():
+        if "ops" not in started:
+            keep_busy()
+            if writing():
+                started["ops"] = console_ops()
+            return False
+        if console_ops() - started["ops"] < CONSOLE_OVERLAP_OPS:
+            keep_busy()
+            return False
+        return lab.unsettled() == 0
+
     # DEFERRED only has to show its errors; its workers then back off for long, so the
     # contention phase is cut short and the (IMMEDIATE) quiet period finishes the jobs.
     limit = max(60, size.contention_jobs * 0.5) if transaction_mode == "IMMEDIATE" else 10
-    _wait(lambda: lab.unsettled() == 0, limit, 0.2)
+    _wait(finished, limit, 0.05)
+    overlap = console_ops() - started["ops"] if "ops" in started else 0
     console.terminate()
     try:
         console.wait(40)  # an operation may be waiting out the busy timeout
@@ -461,13 +518,12 @@ def sqlite_contention(lab, size, transaction_mode="IMMEDIATE"):
     lab.submitted.extend(report.get("submitted", []))
     settled = lab.settle(size.settle_timeout)
     worker_locked = lab.output(proc).count("database is locked")
-    from durable.models import Job
-
     jobs_locked = Job.objects.filter(last_error__contains="database is locked").count()
-    row = count(lab, f"sqlite busy ({transaction_mode.lower()})", began=began, extra={
+    row = count(lab, f"sqlite busy ({mode})", began=began, extra={
         "locked_in_workers": worker_locked, "locked_in_console": report.get("locked", 0),
-        "jobs_failed_locked": jobs_locked, "console_ops": report.get("ops", 0),
-        "console_errors": report.get("errors", 0),
+        "jobs_failed_locked": jobs_locked, "console_ops": overlap,
+        "console_ops_in_all": report.get("ops", 0), "console_errors": report.get("errors", 0),
+        "batches_of_jobs": 1 + more[0],
     })
     if not settled:
         row.notes.append("the quiet period ended with unsettled jobs")
