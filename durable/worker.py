@@ -347,7 +347,7 @@ class Worker(Drains):
         self.steps_run = 0
         # Every worker may fire schedules (one job per tick whoever fires) and roll up
         # costs and state moves for the console (about once a minute); a burst drains.
-        # One slot at a time does both, before its claim.
+        # One slot at a time does each: the firing before its claim, the roll-ups when idle.
         self.firer = None if burst else schedules.Firer()
         self.rollups = None if burst else rollups.RollUps()
         self.exit_code = 0
@@ -458,12 +458,16 @@ class Worker(Drains):
         if self.firer is not None and self._firing.acquire(blocking=False):
             try:
                 self.firer.maybe_fire()
-                self.rollups.maybe_run()
             finally:
                 self._firing.release()
 
     def _idle(self, slot):
         """Wait for new work: one slot waits on the database, the others on that slot."""
+        if self.rollups is not None and self._firing.acquire(blocking=False):
+            try:  # the console's roll-ups, about once a minute, when there is nothing to claim
+                self.rollups.maybe_run()
+            finally:
+                self._firing.release()
         if slot is None:
             self.waiter.wait(lambda: self._stopping)
             return
