@@ -69,7 +69,13 @@ class Runner:
     # Claiming and starting -------------------------------------------------------
 
     def claim(self, workflows=None, queues=None):
-        """Claim a due job and start its next step, with one commit."""
+        """Claim a due job and start its next step, with one commit; None once stopping.
+
+        Checked here, at the claim itself, because a slot may have spent a while on other
+        work (firing schedules, rolling up costs) since its loop last looked.
+        """
+        if self.stopping:
+            return None
         started = self._begin(self._claim_job(workflows, queues))
         if started is not None:
             faults.point("after_claim")
