@@ -134,7 +134,7 @@ def _filters(workflows, queues, params, pg):
 _NO_STARTS = Starts(())
 
 
-def claim_job(owner, lease_seconds, workflows=None, queues=None, starts=None):
+def claim_job(owner, lease_seconds, workflows=None, queues=None, starts=None, stopping=None):
     """Take the lease of the oldest due job and start its step, or return None.
 
     One statement on PostgreSQL (SKIP LOCKED: workers pass over each other's candidates);
@@ -142,12 +142,15 @@ def claim_job(owner, lease_seconds, workflows=None, queues=None, starts=None):
     A job whose lease expired is simply due again: reclaiming a dead worker's job is the
     normal claim. ``starts`` says which states the claim moves to their step's working
     state, with an event; ``Claimed.started_step`` is then the step started, else None.
+    ``stopping()``, asked on SQLite once the write lock is held: a claim that waited for
+    it must not start work its process was told to leave.
     """
     db = database()
     if db.vendor == "postgresql":
         return _pg_claimed(pg_execute(*_pg_claim(owner, lease_seconds, workflows, queues, starts), db=db),
                            owner)
-    return sqlite_transaction(lambda db: _sqlite_claim(db, owner, lease_seconds, workflows, queues, starts), db)
+    return sqlite_transaction(lambda db: None if stopping is not None and stopping() else
+                              _sqlite_claim(db, owner, lease_seconds, workflows, queues, starts), db)
 
 
 def _pg_claim(owner, lease_seconds, workflows, queues, starts):

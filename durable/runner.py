@@ -100,7 +100,8 @@ class Runner:
 
     def _claim_job(self, workflows=None, queues=None):
         return locking.claim_job(self.owner, self.lease_seconds, workflows or self.workflows,
-                                 queues or self.queues, self._refresh_starts())
+                                 queues or self.queues, self._refresh_starts(),
+                                 stopping=lambda: self.stopping)
 
     def _start(self, claimed):
         try:
