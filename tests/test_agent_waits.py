@@ -60,10 +60,11 @@ def test_an_agent_parks_in_joining_and_its_last_child_wakes_it():
 
 
 def test_an_agents_wait_times_out_once_and_records_it():
-    durable.submit("waiting_agent", "d", {"turns": 1, "timeout": 0.2})
+    # Long enough that the first drain ends before the deadline on a loaded machine.
+    durable.submit("waiting_agent", "d", {"turns": 1, "timeout": 2.0})
     drain()
     assert job("d").state == "waiting" and job("d").next_run_at is not None
-    time.sleep(0.3)
+    time.sleep(2.1)
     drain()
     assert job("d").result["replies"] == ["timed out"]
     assert Wait.objects.get(job_id="d", key="t1/wait/reply").outcome == "timed_out"
