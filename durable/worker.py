@@ -463,11 +463,6 @@ class Worker(Drains):
 
     def _idle(self, slot):
         """Wait for new work: one slot waits on the database, the others on that slot."""
-        if self.rollups is not None and self._firing.acquire(blocking=False):
-            try:  # the console's roll-ups, about once a minute, when there is nothing to claim
-                self.rollups.maybe_run()
-            finally:
-                self._firing.release()
         if slot is None:
             self.waiter.wait(lambda: self._stopping)
             return
