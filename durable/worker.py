@@ -355,6 +355,7 @@ class Worker(Drains):
         self._bell = threading.Condition(self._lock)  # idle slots wait here
         self._listening = threading.Lock()  # held by the idle slot that waits on the database
         self._firing = threading.Lock()
+        self._claiming = threading.Lock()
         self._slots = []
         self._runners = []
         self._next_index = 0
@@ -436,15 +437,33 @@ class Worker(Drains):
         # another slot may be waiting on; the listening slot closes it itself.
         waiter = self.waiter if slot is None else _NoListener
         failures = 0
+        # Only the first slot claims at start; the others wait to be rung by a slot that
+        # found work, so an idle process does not storm the database with claims.
+        wait_first = slot is not None and slot.runner is not self.runner and not self.burst
         while not self._stopping and not (slot is not None and slot.abandoned):
             try:
+                if wait_first:
+                    while not self._idle(slot) and not self._stopping:
+                        pass
+                    wait_first = False
+                    continue
                 keep_connections_healthy()
                 self._maybe_fire()
-                started = runner.claim(self.workflows, self.queues)
+                # One claim at a time per process: slots queue here, not on SQLite's
+                # write lock (whose busy waits sleep up to 100 ms, long enough for a
+                # drain to begin meanwhile), and each looks at the drain flag just
+                # before its claim.
+                with self._claiming:
+                    if self._stopping:
+                        break
+                    started = runner.claim(self.workflows, self.queues)
                 if started is None:
                     if self.burst:
                         break
-                    self._idle(slot)
+                    # Until there may be work: an idle slot whose wait timed out claims
+                    # nothing (a claim on SQLite takes the write lock), it waits again.
+                    while not self._idle(slot) and not self._stopping:
+                        pass
                     continue
                 if slot is not None:
                     self._ring()  # there may be more: let another idle slot look
@@ -462,10 +481,14 @@ class Worker(Drains):
                 self._firing.release()
 
     def _idle(self, slot):
-        """Wait for new work: one slot waits on the database, the others on that slot."""
+        """Wait for new work: one slot waits on the database, the others on that slot.
+
+        True when there may be work (the database said so, the poll interval passed, or
+        a slot that found work rang); False when a slot's wait for a ring timed out.
+        """
         if slot is None:
             self.waiter.wait(lambda: self._stopping)
-            return
+            return True
         if self._listening.acquire(blocking=False):
             try:
                 self.waiter.wait(lambda: self._stopping)
@@ -475,10 +498,11 @@ class Worker(Drains):
             finally:
                 self._listening.release()
             self._ring()
-            return
+            return True
         with self._bell:
-            if not self._stopping:
-                self._bell.wait(self.waiter.poll_interval)
+            if self._stopping:
+                return True
+            return self._bell.wait(self.waiter.poll_interval)
 
     def _ring(self):
         """Wake one idle slot: it claims too (and, finding work, wakes the next)."""
