@@ -9,9 +9,9 @@ Two tables summarise what would otherwise be read row by row on every page view:
 
 Both are incremental and idempotent, under a row lock, and roll up only minutes that
 closed at least ``MARGIN`` ago (rows are stamped with their transaction's start and
-become visible at commit). ``RollUps.maybe_run`` is meant for a worker's loop (at most one pass per
-``INTERVAL`` seconds; not called by the workers yet). ``manage.py durable purge`` and
-``manage.py durable rollup`` (from cron) run the passes. A page never writes: it reads the rolled
+become visible at commit). ``RollUps.maybe_run`` is what a worker calls from its loop:
+at most one pass per ``INTERVAL`` seconds. ``manage.py durable purge`` and
+``manage.py durable rollup`` run a pass too. A page never writes: it reads the rolled
 minutes up to the mark and the rows after it (``moves_since``, ``memos.spent``), so a
 mark that lags (no worker running) makes a page slower, never wrong.
 """

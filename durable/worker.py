@@ -486,6 +486,11 @@ class Worker(Drains):
         True when there may be work (the database said so, the poll interval passed, or
         a slot that found work rang); False when a slot's wait for a ring timed out.
         """
+        if self.rollups is not None and self._firing.acquire(blocking=False):
+            try:  # the console's roll-ups, about once a minute, when there is nothing to claim
+                self.rollups.maybe_run()
+            finally:
+                self._firing.release()
         if slot is None:
             self.waiter.wait(lambda: self._stopping)
             return True

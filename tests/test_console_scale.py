@@ -14,9 +14,10 @@ from django.db import connection
 from django.test import Client, override_settings
 from django.test.utils import CaptureQueriesContext
 
-from durable import locking, reports, rollups
+from durable import locking, memos, reports, rollups
 from durable.models import CostMark, CostMinute, Job, MoveMinute
-from tests.test_console_support import ago, make_job, make_memo
+from tests.conftest import wait_for
+from tests.test_console_support import PIPELINE, ago, make_job, make_memo
 
 pytestmark = pytest.mark.django_db
 
@@ -140,6 +141,24 @@ def test_a_worker_rolls_up_once_in_a_while_and_not_on_every_turn(busy_hour, monk
     ticker.maybe_run()
 
     assert calls == [1] and ticker.passes == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_runworkers_rolls_up_costs_and_moves(workers):
+    now = locking.db_now()
+    job = make_job("old", "delivered", now=now, age=900, history=[("", "pending", 1000)])
+    make_memo(job, "extract", "0.5", now=now, age=900)
+    proc = workers.start(processes=1)
+    try:
+        # The first passes catch up on the kept hours, one hour a pass, turn after turn.
+        caught_up = now - memos.MARGIN - datetime.timedelta(minutes=1)
+        mark = wait_for(lambda: CostMark.objects.filter(moves_through__gte=caught_up).first(),
+                        timeout=60, message="the worker's roll-ups catching up")
+    finally:
+        workers.terminate(proc)
+    assert mark.through is not None
+    assert CostMinute.objects.get().cost == Decimal("0.5")
+    assert MoveMinute.objects.filter(workflow=PIPELINE).exists()
 
 
 # Counts that are not exact say so -----------------------------------------------------------

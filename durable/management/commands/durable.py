@@ -35,8 +35,8 @@ class Command(BaseCommand):
         add_status_arguments(sub)
         add_schedules_arguments(sub)
         sub.add_parser("rollup", help="Roll memo costs and state moves up per minute now "
-                                      "(run it from cron every minute: console pages and "
-                                      "/metrics only read).")
+                                      "(runworkers does it about once a minute; run it from "
+                                      "cron where no worker runs for long).")
 
     def handle(self, *args, verb, **options):
         return getattr(self, f"do_{verb}")(**options)
