@@ -153,3 +153,15 @@ def order(tmp_path):
     path = str(tmp_path / "order.json")
     write_order(path, id="123", amount="42.00", currency="EUR", status="paid")
     return path
+
+
+def sqlite_commits(run):
+    """Call ``run()`` and return how many COMMITs the SQLite connection sent meanwhile."""
+    connection.ensure_connection()
+    statements = []
+    connection.connection.set_trace_callback(statements.append)
+    try:
+        run()
+    finally:
+        connection.connection.set_trace_callback(None)
+    return sum(1 for sql in statements if sql.strip().upper() == "COMMIT")

@@ -13,6 +13,8 @@ from durable.exceptions import OperatorError
 from durable.models import EventKind, Job, JobEvent, StepResult
 from durable.runner import Runner
 
+from .conftest import sqlite_commits
+
 pytestmark = pytest.mark.django_db
 
 
@@ -276,14 +278,7 @@ def test_a_job_costs_one_commit_per_step_and_the_next_claim_rides_on_the_last():
         durable.submit("recorded", f"j{i}", {})
     runner = Runner("inline")
     if connection.vendor == "sqlite":
-        connection.ensure_connection()
-        statements = []
-        connection.connection.set_trace_callback(statements.append)
-        try:
-            runner.run(runner.claim())
-        finally:
-            connection.connection.set_trace_callback(None)
-        commits = sum(1 for sql in statements if sql.strip().upper() == "COMMIT")
+        commits = sqlite_commits(lambda: runner.run(runner.claim()))
     else:
         runner.run(runner.claim())
         # Every row a transaction writes carries its id (xmin): the distinct ids of

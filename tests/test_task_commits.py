@@ -14,7 +14,7 @@ from django.db import connection, transaction
 from durable.models import Job
 from durable.tasks import FRAMEWORK
 
-from .conftest import ON_POSTGRES
+from .conftest import ON_POSTGRES, sqlite_commits
 
 if FRAMEWORK is None:  # pragma: no cover - every supported environment has one
     pytest.skip("neither django.tasks nor django_tasks is installed", allow_module_level=True)
@@ -58,14 +58,7 @@ def test_an_inline_worker_commits_once_per_task_job_on_sqlite_with_the_framework
     assert task_started.receivers and task_finished.receivers
     enqueue(JOBS, echo, {"n": 1})
     runner = Runner("inline")
-    connection.ensure_connection()
-    statements = []
-    connection.connection.set_trace_callback(statements.append)
-    try:
-        runner.run(runner.claim())
-    finally:
-        connection.connection.set_trace_callback(None)
-    commits = sum(1 for sql in statements if sql.strip().upper() == "COMMIT")
+    commits = sqlite_commits(lambda: runner.run(runner.claim()))
     assert finished() == JOBS
     # The first claim commits alone; every job's commit carries the next job's claim.
     assert commits == JOBS + 1
