@@ -368,16 +368,19 @@ def clock_skew(lab, size):
     from django.db.models import F
 
     began = time.monotonic()
-    # A holder with a true clock works a step longer than the lease (renewing it).
+    # A holder with a true clock works a step longer than the lease (renewing it). One
+    # thread each: a process with idle slots beside the held step would claim the jobs
+    # meant for the skewed workers, and the drill would exercise nobody's wrong clock.
+    one_thread = ("--threads", "1")
     held = lab.submit(1, prefix="skew-held", workflow="drill_hold",
                       hold={"step": "b", "seconds": lab.lease * 2, "attempt": 1})
-    holder = lab.runworkers(1)
+    holder = lab.runworkers(1, *one_thread)
     if not _wait(lambda: any(line[0] == "exec" and line[2] == "b" for line in _lines(lab.exec_log)),
                  30, 0.02):
         raise RuntimeError(f"the holder never reached step b:\n{lab.output(holder)}")
     # Meanwhile workers whose clocks are an hour off claim everything else.
-    ahead = lab.runworkers(2, env=skewed_env("+1h"))
-    behind = lab.runworkers(1, env=skewed_env("-1h"))
+    ahead = lab.runworkers(2, *one_thread, env=skewed_env("+1h"))
+    behind = lab.runworkers(1, *one_thread, env=skewed_env("-1h"))
     ahead_pids = lab.wait_for_workers(ahead, 2)
     behind_pids = lab.wait_for_workers(behind, 1)
     plain = lab.submit(size.skew_jobs, prefix="skew")
