@@ -104,6 +104,12 @@ DEFAULTS = {
     "WEBHOOKS": {},
     "WEBHOOK_MAX_BYTES": 64 * 1024,
     "WEBHOOK_TOLERANCE_SECONDS": 300,
+    # Seconds between one worker's passes over the console's roll-ups (costs and state
+    # moves per minute, durable.rollups). A worker's first pass comes a random part of
+    # this after it starts, so workers started together neither roll up at once nor at
+    # the moment they claim their first jobs. 0: workers never roll up (run
+    # ``manage.py durable rollup`` every minute from cron instead).
+    "ROLLUP_INTERVAL": 60.0,
     # Fault injection for drills: the name of a fault point where the process SIGKILLs itself.
     "FAULT_POINT": None,
 }

@@ -10,7 +10,8 @@ Two tables summarise what would otherwise be read row by row on every page view:
 Both are incremental and idempotent, under a row lock, and roll up only minutes that
 closed at least ``MARGIN`` ago (rows are stamped with their transaction's start and
 become visible at commit). ``RollUps.maybe_run`` is what a worker calls from its loop:
-at most one pass per ``INTERVAL`` seconds. ``manage.py durable purge`` and
+at most one pass per ``DURABLE["ROLLUP_INTERVAL"]`` seconds, the first one a random
+part of that interval after the worker starts. ``manage.py durable purge`` and
 ``manage.py durable rollup`` run a pass too. A page never writes: it reads the rolled
 minutes up to the mark and the rows after it (``moves_since``, ``memos.spent``), so a
 mark that lags (no worker running) makes a page slower, never wrong.
@@ -18,6 +19,7 @@ mark that lags (no worker running) makes a page slower, never wrong.
 
 import datetime
 import logging
+import random
 import time
 
 from django.db import DatabaseError, InterfaceError, connection, transaction
@@ -35,9 +37,6 @@ MOVES_KEPT = datetime.timedelta(hours=6, minutes=10)
 # One pass rolls up at most this much of the event log (a short transaction even when
 # catching up); a worker behind the clock runs the next pass at once.
 PASS_LENGTH = datetime.timedelta(hours=1)
-# Seconds between two roll-up passes of one worker.
-INTERVAL = 60.0
-
 
 def _minute(moment):
     return moment.replace(second=0, microsecond=0)
@@ -184,11 +183,16 @@ def roll_up(now=None, *, catch_up=True):
 
 
 class RollUps:
-    """What a worker calls from its loop: at most one roll-up pass per ``interval`` seconds."""
+    """What a worker calls from its loop: at most one roll-up pass per ``interval`` seconds.
 
-    def __init__(self, interval=INTERVAL):
+    The first pass comes a random part of the interval after the worker starts: a fleet
+    started by one deploy spreads its passes instead of all taking the write lock at the
+    moment each claims its first jobs (on SQLite that would queue every claim behind them).
+    """
+
+    def __init__(self, interval):
         self.interval = interval
-        self._next = 0.0
+        self._next = time.monotonic() + random.uniform(0, interval)
         self.passes = 0
 
     def maybe_run(self):

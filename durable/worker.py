@@ -349,7 +349,8 @@ class Worker(Drains):
         # costs and state moves for the console (about once a minute); a burst drains.
         # One slot at a time does each: the firing before its claim, the roll-ups when idle.
         self.firer = None if burst else schedules.Firer()
-        self.rollups = None if burst else rollups.RollUps()
+        interval = durable_settings.ROLLUP_INTERVAL
+        self.rollups = None if burst or not interval else rollups.RollUps(interval)
         self.exit_code = 0
         self._lock = threading.Lock()
         self._bell = threading.Condition(self._lock)  # idle slots wait here

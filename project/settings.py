@@ -106,6 +106,7 @@ DURABLE = {
     "LEASE_SECONDS": env.float("DURABLE_LEASE_SECONDS", default=60),
     "STEP_TIMEOUT": env.float("DURABLE_STEP_TIMEOUT", default=30),
     "METRICS_TOKEN": env("DURABLE_METRICS_TOKEN", default=None),
+    "ROLLUP_INTERVAL": env.float("DURABLE_ROLLUP_INTERVAL", default=60),
     "DESTINATIONS": {
         # It deduplicates idempotency keys and can look a request up by its key, so an
         # action whose reply was lost settles itself without an operator.

@@ -5,6 +5,7 @@ The speed itself is measured by ``bench/console.py`` (a day of a million jobs), 
 """
 
 import datetime
+import time
 from decimal import Decimal
 
 import pytest
@@ -136,11 +137,22 @@ def test_a_worker_rolls_up_once_in_a_while_and_not_on_every_turn(busy_hour, monk
     monkeypatch.setattr(rollups, "roll_up", lambda now=None, catch_up=True: calls.append(1) or {
         "costs": None, "moves": locking.db_now()})
     ticker = rollups.RollUps(interval=3600)
+    # The first pass waits a random part of the interval: a fleet started by one deploy
+    # does not roll up at once, nor while it claims its first jobs.
+    assert ticker.maybe_run() is None and calls == []
 
+    ticker._next = 0.0
     ticker.maybe_run()
     ticker.maybe_run()
 
     assert calls == [1] and ticker.passes == 1
+
+
+def test_workers_spread_their_first_roll_up_over_the_interval():
+    firsts = [rollups.RollUps(interval=60)._next - time.monotonic() for _ in range(50)]
+
+    assert all(0 <= first <= 60 for first in firsts)
+    assert max(firsts) - min(firsts) > 10
 
 
 @pytest.mark.django_db(transaction=True)
@@ -148,7 +160,7 @@ def test_runworkers_rolls_up_costs_and_moves(workers):
     now = locking.db_now()
     job = make_job("old", "delivered", now=now, age=900, history=[("", "pending", 1000)])
     make_memo(job, "extract", "0.5", now=now, age=900)
-    proc = workers.start(processes=1)
+    proc = workers.start(processes=1, DURABLE_ROLLUP_INTERVAL="1")
     try:
         # The first passes catch up on the kept hours, one hour a pass, turn after turn.
         caught_up = now - memos.MARGIN - datetime.timedelta(minutes=1)
