@@ -238,12 +238,13 @@ class Dispatcher(Drains):
 
     def process(self, row):
         """Do the right thing for a claimed row from its status alone."""
+        if row.status == OutboxStatus.PENDING:
+            self._send(row, OutboxStatus.PENDING)
+            return
         ctx = self._context(row)
         if ctx is None:
             return
-        if row.status == OutboxStatus.PENDING:
-            self._send(ctx, OutboxStatus.PENDING)
-        elif row.status == OutboxStatus.ATTEMPTED:
+        if row.status == OutboxStatus.ATTEMPTED:
             # Its dispatcher died (or stalled past its lease) between marking and
             # recording: perhaps sent. Never resend blindly: reconcile.
             who = row.previous_owner or "a dispatcher"
@@ -254,8 +255,14 @@ class Dispatcher(Drains):
         else:
             locking.park_action(row)
 
-    def _context(self, row):
-        job = Job.objects.filter(pk=row.job_id).first()
+    def _context(self, row, *, lock=False):
+        """The row's job, workflow, step and destination; None when it cannot be dispatched.
+
+        ``lock``: inside the caller's transaction, the job row is locked (so an operator's
+        cancel cannot interleave with what the caller writes next).
+        """
+        jobs = Job.objects.select_for_update() if lock else Job.objects
+        job = jobs.filter(pk=row.job_id).first()
         if job is None:
             return None  # the job was deleted (and the row with it)
         try:
@@ -283,15 +290,14 @@ class Dispatcher(Drains):
 
     # Sending -----------------------------------------------------------------------------
 
-    def _send(self, ctx, previous):
+    def _send(self, row, previous):
         """Mark attempted (committed), send once, record the outcome."""
-        row = ctx.row
         with transaction.atomic():
-            # Lock the job so an operator's cancel cannot interleave with the mark.
-            job = Job.objects.select_for_update().filter(pk=row.job_id).first()
-            if job is None:
+            # The job locked, so an operator's cancel cannot interleave with the mark.
+            ctx = self._context(row, lock=True)
+            if ctx is None:
                 return
-            ctx.job = job
+            job = ctx.job
             if job.state not in (ctx.states.in_flight, ctx.states.unknown):
                 self._not_ours(ctx)
                 return
@@ -531,11 +537,11 @@ class Dispatcher(Drains):
                 # The destination never received it: sending now is the first write.
                 self._event(ctx, "lookup: not found at the destination; sending again with"
                                  " the same key", data={"phase": "lookup", "found": False})
-                return self._send(ctx, OutboxStatus.UNKNOWN)
+                return self._send(ctx.row, OutboxStatus.UNKNOWN)
             return self._unknown(ctx, f"lookup {row.lookups} could not tell: {found.error}", "")
         # No lookup (or lookups exhausted) but the destination deduplicates: resending
         # with the same key either applies it once or returns the original result.
-        return self._send(ctx, OutboxStatus.UNKNOWN)
+        return self._send(ctx.row, OutboxStatus.UNKNOWN)
 
     def _lost(self, ctx):
         logger.warning("%s action=%s lease lost or settled meanwhile; outcome not recorded here",

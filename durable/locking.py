@@ -519,6 +519,10 @@ class ClaimedAction:
             setattr(self, name, value)
         if isinstance(self.payload, str):
             self.payload = json.loads(self.payload)
+        # SQLite returns the step's cost and duration as stored (a number, microseconds).
+        self.step_cost = Decimal(str(self.step_cost or 0))
+        if not isinstance(self.step_duration, datetime.timedelta):
+            self.step_duration = datetime.timedelta(microseconds=int(self.step_duration or 0))
         self.previous_owner = previous_owner
 
     @property

@@ -23,7 +23,6 @@ action's outcome is known (the dispatcher and the operator verbs of
 import datetime
 import logging
 from dataclasses import dataclass
-from decimal import Decimal
 
 from django.db import transaction
 from django.db.models import F
@@ -494,11 +493,8 @@ def complete(ctx, memo, *, actor, message, kind=EventKind.STEP_DONE, data=None):
               "next_run_at": None if terminal else Now(), "last_error": ""}
     if terminal:
         fields["result"] = memo
-    cost, duration, attempt = (
-        Outbox.objects.filter(pk=row.id)
-        .values_list("step_cost", "step_duration", "step_attempt").first()
-        or (Decimal(0), datetime.timedelta(0), 1)
-    )
+    # The claimed row or the Outbox instance carries them (written with the row).
+    cost, duration, attempt = row.step_cost, row.step_duration, row.step_attempt
     ok = locking.transition(
         job, states.done, expect=job.state, actor=actor, step=row.kind, table=table, kind=kind,
         message=scrub(message), fields=fields,
@@ -507,9 +503,10 @@ def complete(ctx, memo, *, actor, message, kind=EventKind.STEP_DONE, data=None):
     )
     if not ok:
         return None
-    if not StepResult.objects.filter(job_id=row.job_id, step=row.kind).exists():
-        StepResult.objects.create(job_id=row.job_id, step=row.kind, output=memo, cost=cost,
-                                  duration=duration, attempt=attempt, workflow=job.workflow)
+    # One memo per step (durable_one_memo_per_step): a memo written earlier stands.
+    StepResult.objects.bulk_create([StepResult(
+        job_id=row.job_id, step=row.kind, output=memo, cost=cost, duration=duration,
+        attempt=attempt, workflow=job.workflow)], ignore_conflicts=True)
     if not terminal:
         locking.notify(locking.JOBS_CHANNEL, job.workflow)
     return states.done if terminal else None

@@ -358,7 +358,7 @@ FROM chosen
 WHERE o.id = chosen.id
 RETURNING o.id, o.job_id, o.kind, o.destination, o.operation, o.payload::text,
           o.idempotency_key, o.status, o.attempts, o.lookups, o.lease_token, o.version,
-          o.last_error, chosen.previous_owner
+          o.last_error, o.step_cost, o.step_duration, o.step_attempt, chosen.previous_owner
 """
 
 # Up to ? due outbox rows whose job's workflow is not paused and whose destination is none
@@ -386,13 +386,15 @@ SET lease_owner = ?,
     updated = {SQLITE_NOW}
 WHERE id IN ({{ids}})
 RETURNING id, job_id, kind, destination, operation, payload, idempotency_key, status,
-          attempts, lookups, lease_token, version, last_error
+          attempts, lookups, lease_token, version, last_error, step_cost, step_duration,
+          step_attempt
 """
 
-# The columns both action claims return, in order (PostgreSQL adds the previous owner).
+# The columns both action claims return, in order (PostgreSQL adds the previous owner);
+# the last three are the producing step's, which the action's memo carries.
 ACTION_COLUMNS = ("id", "job_id", "kind", "destination", "operation", "payload",
                   "idempotency_key", "status", "attempts", "lookups", "lease_token", "version",
-                  "last_error")
+                  "last_error", "step_cost", "step_duration", "step_attempt")
 
 
 # Running a statement ------------------------------------------------------------------------
