@@ -519,15 +519,10 @@ class ClaimedAction:
             setattr(self, name, value)
         if isinstance(self.payload, str):
             self.payload = json.loads(self.payload)
-        # SQLite returns the step's cost and duration as stored (a number, microseconds).
-        self.step_cost = Decimal(str(self.step_cost or 0))
-        if not isinstance(self.step_duration, datetime.timedelta):
-            self.step_duration = datetime.timedelta(microseconds=int(self.step_duration or 0))
+        self.step_cost, self.step_duration = sql.step_figures(self.step_cost, self.step_duration)
         self.previous_owner = previous_owner
 
-    @property
-    def pk(self):
-        return self.id
+    pk = property(lambda self: self.id)
 
 
 def claim_actions(owner, lease_seconds, limit, rooms=None, room=None):

@@ -15,6 +15,7 @@ above it (procrastinate's ``queries.sql`` is the model).
 """
 
 import datetime
+from decimal import Decimal
 
 from django.db import DEFAULT_DB_ALIAS, connection, connections
 from django.utils.dateparse import parse_datetime
@@ -479,3 +480,11 @@ def sqlite_datetime(value):
     if not isinstance(value, datetime.datetime):
         value = parse_datetime(value)
     return value.replace(tzinfo=datetime.UTC) if value.tzinfo is None else value
+
+
+def step_figures(cost, duration):
+    """A step's cost and duration as returned raw: PostgreSQL's types, or SQLite's as stored
+    (a number, and an integer of microseconds)."""
+    if not isinstance(duration, datetime.timedelta):
+        duration = datetime.timedelta(microseconds=int(duration or 0))
+    return Decimal(str(cost or 0)), duration
