@@ -19,6 +19,7 @@ recording) is unknown: it was perhaps sent.
 
 import json
 import logging
+import time
 
 from django.core.exceptions import ImproperlyConfigured
 from django.core.serializers.json import DjangoJSONEncoder
@@ -292,6 +293,7 @@ class Dispatcher(Drains):
 
     def _send(self, row, previous):
         """Mark attempted (committed), send once, record the outcome."""
+        began = time.monotonic()  # the mark's lease runs from a moment after this one
         with transaction.atomic():
             # The job locked, so an operator's cancel cannot interleave with the mark.
             ctx = self._context(row, lock=True)
@@ -310,8 +312,10 @@ class Dispatcher(Drains):
             # A fresh lease for the send, long enough to outlast the destination's own
             # timeouts: a send still in flight must never look abandoned to another
             # dispatcher (it would reconcile, perhaps resend, while this one waits).
+            bound = self._send_bound(ctx.destination)
+            lease = self._send_lease(ctx.destination)
             if not locking.extend_action_lease(
-                row, self._send_lease(ctx.destination), only_if=previous,
+                row, lease, only_if=previous,
                 status=OutboxStatus.ATTEMPTED, attempts=F("attempts") + 1, sent_at=Now(),
                 version=F("version") + 1, updated=Now(),
             ):
@@ -322,6 +326,16 @@ class Dispatcher(Drains):
             self._event(ctx, f"attempt {row.attempts}: sending {row.operation} to"
                              f" {row.destination}", data={"phase": "attempted"})
         faults.point("after_mark_attempted")
+        if time.monotonic() - began > lease - bound:
+            # The mark's commit came back so late (a partition held its reply, the process
+            # was frozen) that the send could outlast the lease: another dispatcher may
+            # take the row meanwhile, find nothing by lookup and send it. Sending now
+            # could make two. The row stays attempted; once its lease passes, whoever
+            # takes it settles it (a lookup, or a person) and it is sent at most once.
+            logger.warning("%s action=%s job=%s: marking attempt %s took %.1fs, too late to send"
+                           " within its lease; left for reconciliation", self.name, row.id,
+                           row.job_id, row.attempts, time.monotonic() - began)
+            return
         try:
             outcome = ctx.destination.dispatch(_request(row))
             if not isinstance(outcome, Outcome):
@@ -333,12 +347,16 @@ class Dispatcher(Drains):
         faults.point("after_send_before_record")
         self._record(ctx, outcome, previous)
 
-    def _send_lease(self, destination):
+    def _send_bound(self, destination):
+        """Seconds a send to ``destination`` may take: its connect and read timeouts."""
         timeout = getattr(destination, "timeout", None)
         try:
-            bound = sum(timeout) if isinstance(timeout, (tuple, list)) else float(timeout or 0)
+            return sum(timeout) if isinstance(timeout, (tuple, list)) else float(timeout or 0)
         except (TypeError, ValueError):
-            bound = 0.0
+            return 0.0
+
+    def _send_lease(self, destination):
+        bound = self._send_bound(destination)
         return max(self.lease_seconds, bound + float(durable_settings.LEASE_MARGIN_SECONDS))
 
     def _approved(self, ctx, outbox, job):

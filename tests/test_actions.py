@@ -488,3 +488,36 @@ def test_the_operation_can_choose_the_url_and_the_key_header_can_be_renamed(rece
     assert applied["key"] is None
     assert posts(receiver)[0]["path"] == "/actions"
     assert action("t1").status == OutboxStatus.SUCCEEDED
+
+
+def test_a_mark_whose_commit_came_back_too_late_to_send_within_its_lease_sends_nothing(
+        receivers, run_worker_inline, drive, monkeypatch, caplog):
+    # The mark's commit returns after most of its lease has gone (a partition held the
+    # reply): another dispatcher may already have taken the row, looked it up, found
+    # nothing and sent it. Sending now could make a second effect at this receiver.
+    receiver = receivers(read_timeout=0.3, idempotent=False)
+    durable.submit("ticket", "t1", {})
+    wait_for(lambda: run_worker_inline() or job("t1").state == "in_flight_create_ticket",
+             timeout=10)
+    import types
+
+    import durable.dispatch as dispatch_module
+
+    # The dispatcher's clock: the mark begins at 0, and its commit returns at 1000 s.
+    readings = iter([0.0])
+    monkeypatch.setattr(dispatch_module, "time", types.SimpleNamespace(
+        monotonic=lambda: next(readings, 1000.0)))
+    with caplog.at_level(logging.WARNING, logger="durable.dispatch"):
+        Dispatcher(name="late", threads=1).run_once()
+    monkeypatch.setattr(dispatch_module, "time", time)
+
+    row = action("t1")
+    assert posts(receiver) == []  # nothing sent
+    assert row.status == OutboxStatus.ATTEMPTED and row.attempts == 1
+    assert any("too late to send within its lease" in r.getMessage() for r in caplog.records)
+
+    # Its lease passes: the next dispatcher finds nothing by lookup and sends it, once.
+    Outbox.objects.filter(pk=row.pk).update(lease_until=db_now(), next_attempt_at=db_now())
+    drive(in_state("t1", "confirm_done"))
+    assert len(posts(receiver)) == 1 and len(receiver.actions) == 1
+    assert action("t1").status == OutboxStatus.SUCCEEDED
