@@ -76,6 +76,7 @@ class Dispatcher(Drains):
     def __init__(self, *, name=None, burst=False, lease_seconds=None, poll_interval=None,
                  batch_size=None, threads=None, workflows=None, queues=None,
                  wait_for_workers=True):
+        super().__init__()
         self.name = name or worker_id("dispatcher")
         self.burst = burst
         # Only used by burst mode, to know when the workers it runs beside are done.
@@ -96,7 +97,7 @@ class Dispatcher(Drains):
 
     def stop(self):
         """Stop claiming; rows being sent are recorded, then the loop exits. Idempotent."""
-        self._stopping = True
+        self.drain.set()
 
     # The loop --------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 
 try:
@@ -191,12 +192,19 @@ class Drains:
     """
 
     draining_message = "finishing what is in hand, then exiting"
-    _stopping = False
     _signals = 0
+
+    def __init__(self):
+        # The drain flag: set once by ``stop()``. A worker hands this one flag to every
+        # runner it makes, so each slot's next claim (and, on SQLite, a claim that waited
+        # for the write lock) sees the drain the moment it begins.
+        self.drain = threading.Event()
 
     @property
     def stopping(self):
-        return self._stopping
+        return self.drain.is_set()
+
+    _stopping = stopping
 
     def install_signal_handlers(self):
         signal.signal(signal.SIGTERM, self._on_signal)

@@ -14,6 +14,7 @@ import copy
 import datetime
 import json
 import logging
+import threading
 import time
 from decimal import Decimal
 
@@ -53,7 +54,7 @@ class Runner:
     """Executes steps of claimed jobs for one worker process."""
 
     def __init__(self, owner, heartbeat=None, lease_seconds=None, workflows=None, queues=None,
-                 chain=True):
+                 chain=True, drain=None):
         self.owner = owner
         self.heartbeat = heartbeat
         self.lease_seconds = lease_seconds or durable_settings.LEASE_SECONDS
@@ -62,9 +63,14 @@ class Runner:
         # Claim the next job in the transaction that finishes the last one: a job then
         # costs one commit per step and nothing more.
         self.chain = chain
-        self.stopping = False
+        # The drain flag (durable.process.Drains): a worker's runners share its one flag.
+        self.drain = drain or threading.Event()
         self._starts = None
         self._starts_generation = None
+
+    @property
+    def stopping(self):
+        return self.drain.is_set()
 
     # Claiming and starting -------------------------------------------------------
 
@@ -101,7 +107,7 @@ class Runner:
     def _claim_job(self, workflows=None, queues=None):
         return locking.claim_job(self.owner, self.lease_seconds, workflows or self.workflows,
                                  queues or self.queues, self._refresh_starts(),
-                                 stopping=lambda: self.stopping)
+                                 stopping=self.drain.is_set)
 
     def _start(self, claimed):
         try:

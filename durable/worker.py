@@ -332,6 +332,7 @@ class Worker(Drains):
 
     def __init__(self, *, name=None, workflows=None, queues=None, burst=False,
                  lease_seconds=None, poll_interval=None, listen_turns=None, threads=None):
+        super().__init__()
         self.name = name or worker_id()
         self.workflows = workflows or None
         self.queues = queues or None
@@ -369,16 +370,14 @@ class Worker(Drains):
         # The lease owner id of each slot: the process's name (host:pid:worker<N>) for the
         # first, with .<slot> for the others, so events and leases say which thread held a job.
         owner = f"{self.name}.{index}" if index else self.name
-        runner = Runner(owner, self.heartbeat, self.lease_seconds, self.workflows, self.queues)
-        runner.stopping = self._stopping
+        runner = Runner(owner, self.heartbeat, self.lease_seconds, self.workflows, self.queues,
+                        drain=self.drain)
         self._runners.append(runner)
         return runner
 
     def stop(self):
         """Stop claiming; the steps in flight finish and the loop exits. Idempotent."""
-        self._stopping = True
-        for runner in list(self._runners):
-            runner.stopping = True
+        self.drain.set()
         with self._bell:
             self._bell.notify_all()
 
@@ -452,11 +451,9 @@ class Worker(Drains):
                 self._maybe_fire()
                 # One claim at a time per process: slots queue here, not on SQLite's
                 # write lock (whose busy waits sleep up to 100 ms, long enough for a
-                # drain to begin meanwhile), and each looks at the drain flag just
-                # before its claim.
+                # drain to begin meanwhile); the runner looks at the drain flag at the
+                # claim itself.
                 with self._claiming:
-                    if self._stopping:
-                        break
                     started = runner.claim(self.workflows, self.queues)
                 if started is None:
                     if self.burst:
