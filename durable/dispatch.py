@@ -314,7 +314,7 @@ class Dispatcher(Drains):
             # timeouts: a send still in flight must never look abandoned to another
             # dispatcher (it would reconcile, perhaps resend, while this one waits).
             bound = self._send_bound(ctx.destination)
-            lease = self._send_lease(ctx.destination)
+            lease = self._send_lease(bound)
             if not locking.extend_action_lease(
                 row, lease, only_if=previous,
                 status=OutboxStatus.ATTEMPTED, attempts=F("attempts") + 1, sent_at=Now(),
@@ -356,8 +356,8 @@ class Dispatcher(Drains):
         except (TypeError, ValueError):
             return 0.0
 
-    def _send_lease(self, destination):
-        bound = self._send_bound(destination)
+    def _send_lease(self, bound):
+        """The lease a send takes: long enough to outlast the send's timeouts (``bound``)."""
         return max(self.lease_seconds, bound + float(durable_settings.LEASE_MARGIN_SECONDS))
 
     def _approved(self, ctx, outbox, job):

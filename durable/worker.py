@@ -359,7 +359,6 @@ class Worker(Drains):
         self._firing = threading.Lock()
         self._claiming = threading.Lock()
         self._slots = []
-        self._runners = []
         self._next_index = 0
         self._slot_ended = threading.Event()
         self.runner = self._new_runner()
@@ -372,7 +371,6 @@ class Worker(Drains):
         owner = f"{self.name}.{index}" if index else self.name
         runner = Runner(owner, self.heartbeat, self.lease_seconds, self.workflows, self.queues,
                         drain=self.drain)
-        self._runners.append(runner)
         return runner
 
     def stop(self):
@@ -443,8 +441,7 @@ class Worker(Drains):
         while not self._stopping and not (slot is not None and slot.abandoned):
             try:
                 if wait_first:
-                    while not self._idle(slot) and not self._stopping:
-                        pass
+                    self._wait_for_work(slot)
                     wait_first = False
                     continue
                 keep_connections_healthy()
@@ -458,10 +455,7 @@ class Worker(Drains):
                 if started is None:
                     if self.burst:
                         break
-                    # Until there may be work: an idle slot whose wait timed out claims
-                    # nothing (a claim on SQLite takes the write lock), it waits again.
-                    while not self._idle(slot) and not self._stopping:
-                        pass
+                    self._wait_for_work(slot)
                     continue
                 if slot is not None:
                     self._ring()  # there may be more: let another idle slot look
@@ -477,6 +471,12 @@ class Worker(Drains):
                 self.firer.maybe_fire()
             finally:
                 self._firing.release()
+
+    def _wait_for_work(self, slot):
+        """Until there may be work: a slot whose wait for a ring timed out claims nothing (a
+        claim on SQLite takes the write lock), it waits again."""
+        while not self._idle(slot) and not self._stopping:
+            pass
 
     def _idle(self, slot):
         """Wait for new work: one slot waits on the database, the others on that slot.
