@@ -3,11 +3,11 @@
 Every raw SQL statement of the engine runs here (its text is in ``durable.sql``). A
 job's lease is taken, renewed, fenced and ended only here (``claim_job``,
 ``renew_leases``, ``complete_step``, ``commit_memo``, ``park_job``, or ``transition()``'s
-``fields``); so is the dispatcher's lease on an outbox row (``claim_actions``,
-``extend_action_lease``, ``release_action``, ``park_action``). ``Job.state`` is written
-only here, by ``insert_job``, ``claim_job``, ``complete_step`` and ``transition()``: the
-claim's targets come from ``Starts``, built from the transition tables, and every other
-path is checked by ``check_path``. Operator verbs lock the one row they decide on with
+``fields``); the dispatcher's lease on an outbox row is ``durable.action_rows``'s. ``Job.state``
+is written only by the store: here, by ``insert_job``, ``claim_job``, ``complete_step``
+and ``transition()``, and by ``action_rows.record_success`` (an action confirmed): the claim's
+targets come from ``Starts``, built from the transition tables, and every other path is
+checked by ``check_path``. Operator verbs lock the one row they decide on with
 the ORM's ``select_for_update()``; the console's reports read with queries of their own.
 
 Times that decide ownership (lease expiry, due times) come from the database clock,
@@ -26,7 +26,7 @@ from django.db.models.functions import Now
 
 from . import sql
 from .exceptions import IllegalTransition
-from .models import EventKind, Job, JobEvent, Outbox
+from .models import EventKind, Job, JobEvent
 from .sql import JOBS_CHANNEL, OUTBOX_CHANNEL, database, pg_execute, sqlite_datetime, sqlite_execute, sqlite_transaction
 from .states import RESUMING_KINDS, SETTLED_KINDS, WOKEN, StateKind
 from .wakeups import wake_parent
@@ -508,92 +508,8 @@ def commit_memo(claimed, state, lease_seconds, progress_json, call=None, **field
     return sqlite_transaction(write, db)
 
 
-# Outbox rows: the dispatcher's claim and lease --------------------------------------------
-
-
-class ClaimedAction:
-    """An outbox row as the claim returned it, plus the lease this dispatcher holds."""
-
-    def __init__(self, values, previous_owner):
-        for name, value in zip(sql.ACTION_COLUMNS, values, strict=True):
-            setattr(self, name, value)
-        if isinstance(self.payload, str):
-            self.payload = json.loads(self.payload)
-        self.step_cost, self.step_duration = sql.step_figures(self.step_cost, self.step_duration)
-        self.previous_owner = previous_owner
-
-    pk = property(lambda self: self.id)
-
-
-def claim_actions(owner, lease_seconds, limit, rooms=None, room=None):
-    """Take the lease of up to ``limit`` due outbox rows, oldest first: one short transaction.
-
-    ``rooms`` caps the rows per destination ({name: n}; 0 skips its rows), ``room`` those
-    of any other (default ``limit``). One statement on PostgreSQL (SKIP LOCKED); on
-    SQLite select then update in one IMMEDIATE transaction (it holds the write lock).
-    """
-    rooms = rooms or {}
-    full = [name for name, n in rooms.items() if n <= 0]
-    room = int(limit if room is None else room)
-    db = database()
-    if db.vendor == "postgresql":
-        names = [name for name, n in rooms.items() if n > 0]
-        rows = pg_execute(sql.PG_CLAIM_ACTIONS, {
-            "owner": owner, "lease": float(lease_seconds), "limit": int(limit), "full": full,
-            "names": names, "rooms": [int(rooms[name]) for name in names], "room": room,
-        }, db).fetchall()
-        return [ClaimedAction(row[:-1], row[-1]) for row in rows]
-
-    def write(db):
-        statement = sql.SQLITE_PICK_ACTIONS.format(full=", ".join("?" for _ in full))
-        left, picked = dict(rooms), {}
-        for action_id, previous_owner, destination in sqlite_execute(statement, (*full, int(limit)), db):
-            if left.setdefault(destination, room) > 0:
-                left[destination] -= 1
-                picked[action_id] = previous_owner
-        if not picked:
-            return []
-        modifier = sqlite_delta(lease_seconds)
-        statement = sql.SQLITE_TAKE_ACTIONS.format(ids=", ".join("?" for _ in picked))
-        rows = sqlite_execute(statement, (owner, modifier, modifier, *picked), db).fetchall()
-        order = {action_id: index for index, action_id in enumerate(picked)}
-        return sorted((ClaimedAction(row, picked[row[0]]) for row in rows), key=lambda r: order[r.id])
-
-    return sqlite_transaction(write, db)
-
-
-def release_action(row, *, after=0.0, only_if=None, **fields):
-    """End a claimed outbox row's lease, writing ``fields`` (its new status, ...) with it.
-
-    Due again in ``after`` seconds by the database clock (0: now; None: not by itself).
-    Fenced by the claim's token and, with ``only_if``, the status the row must still
-    have; False (nothing written) when the lease was lost or the status moved.
-    """
-    due = None if after is None else (Now() if not after else now_plus(after))
-    rows = Outbox.objects.filter(pk=row.id, lease_token=row.lease_token)
-    if only_if is not None:
-        rows = rows.filter(status=only_if)
-    return bool(rows.update(next_attempt_at=due, lease_until=None, lease_owner=None, **fields))
-
-
-def park_action(row, **fields):
-    """End the lease of a claimed outbox row and leave it not due (see ``release_action``)."""
-    return release_action(row, after=None, **fields)
-
-
-def extend_action_lease(row, lease_seconds, *, only_if, **fields):
-    """Renew a claimed outbox row's lease for its send, writing ``fields``; fenced as above.
-
-    Due again when the new lease ends: a dispatcher that dies mid-send leaves it to the next claim.
-    """
-    until = now_plus(lease_seconds)
-    return bool(Outbox.objects.filter(pk=row.id, lease_token=row.lease_token, status=only_if)
-                .update(lease_until=until, next_attempt_at=until, **fields))
-
-
 __all__ = [
-    "JOBS_CHANNEL", "OUTBOX_CHANNEL", "ClaimedAction", "Claimed", "MemoCommit", "StepCommit",
-    "claim_actions", "claim_job", "commit_memo", "complete_step", "db_now", "insert_job",
-    "notify", "now_plus", "park_action", "park_job", "reclaim", "release_action", "renew_leases",
-    "transition",
+    "JOBS_CHANNEL", "OUTBOX_CHANNEL", "Claimed", "MemoCommit", "StepCommit", "check_path",
+    "claim_job", "commit_memo", "complete_step", "db_now", "insert_job", "notify", "now_plus",
+    "park_job", "reclaim", "renew_leases", "sqlite_delta", "transition",
 ]

@@ -21,6 +21,7 @@ action's outcome is known (the dispatcher and the operator verbs of
 """
 
 import datetime
+import json
 import logging
 from dataclasses import dataclass
 
@@ -28,7 +29,7 @@ from django.db import transaction
 from django.db.models import F
 from django.db.models.functions import Now
 
-from . import agent_outbox, destinations, faults, locking, reprepare
+from . import action_rows, agent_outbox, destinations, faults, locking, reprepare
 from .approvals import close, context_for
 from .conf import durable_settings
 from .identity import (
@@ -36,6 +37,7 @@ from .identity import (
     hash_of_row,
     make_proposal,
     proposal_hash,
+    storable_json,
     version_text,
     wire_values,
 )
@@ -512,6 +514,45 @@ def complete(ctx, memo, *, actor, message, kind=EventKind.STEP_DONE, data=None):
     return states.done if terminal else None
 
 
+@dataclass(frozen=True)
+class Confirmation:
+    """What ``confirm`` did: wrote the row and the job (``done``), found the lease ``lost``, or neither."""
+
+    done: bool = False
+    lost: bool = False
+    finished: str = None  # the terminal state the job finished in
+
+
+def confirm(ctx, remote_id, summary, data, how, *, actor, message):
+    """Record a confirmed action and complete its step in one fenced write (``action_rows.record_success``).
+
+    What ``complete`` does, with the row's success, for an action step whose job waits
+    for it (in flight or unknown), outside any transaction: the dispatcher's hot path.
+    Neither done nor lost (nothing written) for an agent's tool call, a job in another
+    state, or a memo that cannot be stored as it is: the caller then records the row
+    and the job apart.
+    """
+    row, states = ctx.row, ctx.states
+    if getattr(ctx.step, "step_key", None):
+        return Confirmation()  # an agent's tool call: its run resumes (agent_outbox.settle)
+    row.remote_id, row.response_summary = remote_id, summary
+    try:
+        memo_json = storable_json(Outbox.confirmed_memo(row, how, data))
+    except (TypeError, ValueError):
+        return Confirmation()
+    terminal = ctx.table.is_terminal(states.done)
+    waiting = (states.in_flight, states.unknown)
+    state, moved = action_rows.record_success(row, ctx.table, waiting, action_rows.Success(
+        remote_id=remote_id, summary=summary, memo_json=memo_json, done=states.done,
+        terminal=terminal, actor=actor, message=scrub(message),
+        data_json=json.dumps({"action": row.id, "remote_id": remote_id,
+                              "cost": _cost_text(row.step_cost)}),
+    ))
+    if moved:
+        return Confirmation(done=True, finished=states.done if terminal else None)
+    return Confirmation(lost=state is None or state in waiting)
+
+
 def fail(ctx, error, *, actor, kind=EventKind.FAILED, data=None):
     """Move the job to the action step's failed state (inside the caller's transaction)."""
     if getattr(ctx.step, "step_key", None):
@@ -527,7 +568,7 @@ def fail(ctx, error, *, actor, kind=EventKind.FAILED, data=None):
 
 
 __all__ = [
-    "ActionContext", "Confirmed", "Conflict", "Draft", "Handed", "Lost", "Proposed", "Refused",
-    "check_before_dispatch", "complete", "enqueue", "fail", "requires_approval", "step_of_row",
+    "ActionContext", "Confirmation", "Confirmed", "Conflict", "Draft", "Handed", "Lost", "Proposed", "Refused",
+    "check_before_dispatch", "complete", "confirm", "enqueue", "fail", "requires_approval", "step_of_row",
     "validate", "write_row",
 ]

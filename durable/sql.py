@@ -330,18 +330,17 @@ RETURNING id
 # again exactly when its lease expires.
 PG_CLAIM_ACTIONS = """
 WITH candidate AS (
-    SELECT o.id, o.destination, o.next_attempt_at, o.lease_owner AS previous_owner
-    FROM durable_outbox o
+    SELECT o.id, o.destination, o.next_attempt_at, o.lease_owner AS previous_owner, j.workflow,
+           j.parent_id
+    FROM durable_outbox o JOIN durable_job j ON j.id = o.job_id
     WHERE o.next_attempt_at <= statement_timestamp()
       AND o.destination <> ALL(%(full)s::text[])
-      AND NOT EXISTS (
-          SELECT 1 FROM durable_job j JOIN durable_pause p ON p.workflow = j.workflow
-          WHERE j.id = o.job_id)
+      AND NOT EXISTS (SELECT 1 FROM durable_pause p WHERE p.workflow = j.workflow)
     ORDER BY o.next_attempt_at
     LIMIT %(limit)s
     FOR UPDATE OF o SKIP LOCKED
 ), chosen AS (
-    SELECT c.id, c.previous_owner
+    SELECT c.id, c.previous_owner, c.workflow, c.parent_id
     FROM (SELECT candidate.*, row_number() OVER (PARTITION BY destination
                                                   ORDER BY next_attempt_at, id) AS n
           FROM candidate) c
@@ -359,20 +358,20 @@ FROM chosen
 WHERE o.id = chosen.id
 RETURNING o.id, o.job_id, o.kind, o.destination, o.operation, o.payload::text,
           o.idempotency_key, o.status, o.attempts, o.lookups, o.lease_token, o.version,
-          o.last_error, o.step_cost, o.step_duration, o.step_attempt, chosen.previous_owner
+          o.last_error, o.step_key, o.step_cost, o.step_duration, o.step_attempt,
+          chosen.previous_owner,
+          chosen.workflow, chosen.parent_id
 """
 
 # Up to ? due outbox rows whose job's workflow is not paused and whose destination is none
-# of the {full} ones (one ? each), oldest first, with their previous lease owner; locking
-# keeps each destination's room of them (SQLITE_TAKE_ACTIONS follows in the same IMMEDIATE
-# transaction).
+# of the {full} ones (one ? each), oldest first, with JOB_COLUMNS; the claim keeps each
+# destination's room of them (SQLITE_TAKE_ACTIONS follows in the same IMMEDIATE transaction).
 SQLITE_PICK_ACTIONS = f"""
-SELECT o.id, o.lease_owner, o.destination FROM durable_outbox o
+SELECT o.id, o.destination, o.lease_owner, j.workflow, j.parent_id
+FROM durable_outbox o JOIN durable_job j ON j.id = o.job_id
 WHERE o.next_attempt_at <= {SQLITE_NOW}
   AND o.destination NOT IN ({{full}})
-  AND NOT EXISTS (
-      SELECT 1 FROM durable_job j JOIN durable_pause p ON p.workflow = j.workflow
-      WHERE j.id = o.job_id)
+  AND NOT EXISTS (SELECT 1 FROM durable_pause p WHERE p.workflow = j.workflow)
 ORDER BY o.next_attempt_at
 LIMIT ?
 """
@@ -387,15 +386,129 @@ SET lease_owner = ?,
     updated = {SQLITE_NOW}
 WHERE id IN ({{ids}})
 RETURNING id, job_id, kind, destination, operation, payload, idempotency_key, status,
-          attempts, lookups, lease_token, version, last_error, step_cost, step_duration,
-          step_attempt
+          attempts, lookups, lease_token, version, last_error, step_key, step_cost,
+          step_duration, step_attempt
 """
 
-# The columns both action claims return, in order (PostgreSQL adds the previous owner);
+# The columns both action claims return, in order (PostgreSQL then adds JOB_COLUMNS);
 # the last three are the producing step's, which the action's memo carries.
 ACTION_COLUMNS = ("id", "job_id", "kind", "destination", "operation", "payload",
                   "idempotency_key", "status", "attempts", "lookups", "lease_token", "version",
-                  "last_error", "step_cost", "step_duration", "step_attempt")
+                  "last_error", "step_key", "step_cost", "step_duration", "step_attempt")
+# What a claim also says of each row, from the pick: the lease's previous owner, the job's
+# workflow and its parent (the writes around a send need no read of the job for them).
+JOB_COLUMNS = ("previous_owner", "workflow", "parent_id")
+
+
+# Outbox rows: the two writes around a send ---------------------------------------------------
+
+# Mark a claimed row attempted before it is sent, renewing its lease for the send, with its
+# event: fenced by the claim's token and the status it had, and by the job's state (locked,
+# so an operator's cancel cannot interleave). One statement; the job's state comes back
+# whether or not the row was marked.
+PG_MARK_ATTEMPTED = """
+WITH job AS (
+    SELECT id, state FROM durable_job WHERE id = %(job)s FOR UPDATE
+), marked AS (
+    UPDATE durable_outbox AS o
+    SET status = 'attempted', attempts = o.attempts + 1, sent_at = statement_timestamp(),
+        version = o.version + 1, updated = statement_timestamp(),
+        lease_until = statement_timestamp() + %(lease)s * interval '1 second',
+        next_attempt_at = statement_timestamp() + %(lease)s * interval '1 second'
+    FROM job
+    WHERE o.id = %(id)s AND o.lease_token = %(token)s AND o.status = %(previous)s
+      AND job.state = ANY(%(states)s::text[])
+    RETURNING o.attempts, job.state
+), event AS (
+    INSERT INTO durable_jobevent (job_id, at, kind, from_state, to_state, step, actor, message, data)
+    SELECT %(job)s, statement_timestamp(), 'action', state, state, %(step)s, %(actor)s,
+           'attempt ' || attempts || %(message)s,
+           jsonb_build_object('action', %(id)s::bigint, 'key', %(key)s::text, 'attempt', attempts,
+                              'phase', 'attempted')
+    FROM marked
+)
+SELECT (SELECT state FROM job), (SELECT attempts FROM marked)
+"""
+
+# The job's state (SQLITE_MARK_ATTEMPTED follows in the same IMMEDIATE transaction, which
+# holds the write lock: nothing moves the job between).
+SQLITE_JOB_STATE = "SELECT state FROM durable_job WHERE id = ?"
+
+# Mark a claimed row attempted and renew its lease for the send, fenced by token and status
+# (its event is SQLITE_EVENT, in the same transaction, only when the row was marked).
+SQLITE_MARK_ATTEMPTED = f"""
+UPDATE durable_outbox
+SET status = 'attempted', attempts = attempts + 1, sent_at = {SQLITE_NOW}, version = version + 1,
+    updated = {SQLITE_NOW}, lease_until = {SQLITE_NOW_PLUS}, next_attempt_at = {SQLITE_NOW_PLUS}
+WHERE id = ? AND lease_token = ? AND status = ?
+RETURNING attempts
+"""
+
+# Record a confirmed action and complete its step: the row succeeded (its lease ended), the
+# job moved to the step's done state (its result written when that is terminal) with its
+# event and the step's memo (one per step: a memo written earlier stands), idle workers
+# woken when the job goes on. Fenced by the claim's token and by the job's state (locked);
+# nothing is written when either fails. One statement; the job's state comes back.
+PG_RECORD_SUCCESS = f"""
+WITH job AS (
+    SELECT id, state FROM durable_job WHERE id = %(job)s FOR UPDATE
+), settled AS (
+    UPDATE durable_outbox AS o
+    SET status = 'succeeded', remote_id = %(remote_id)s, response_summary = %(summary)s,
+        last_error = '', version = o.version + 1, updated = statement_timestamp(),
+        next_attempt_at = NULL, lease_until = NULL, lease_owner = NULL
+    FROM job
+    WHERE o.id = %(id)s AND o.lease_token = %(token)s AND job.state = ANY(%(states)s::text[])
+    RETURNING job.state AS frm
+), moved AS (
+    UPDATE durable_job AS j
+    SET state = %(to)s, updated = statement_timestamp(), attempts = 0, lease_until = NULL,
+        lease_owner = NULL, wake_at = NULL, last_error = '',
+        next_run_at = CASE WHEN %(terminal)s THEN NULL ELSE statement_timestamp() END,
+        result = CASE WHEN %(terminal)s THEN %(memo)s::jsonb ELSE j.result END
+    FROM settled
+    WHERE j.id = %(job)s AND j.state = settled.frm
+    RETURNING settled.frm
+), event AS (
+    INSERT INTO durable_jobevent (job_id, at, kind, from_state, to_state, step, actor, message, data)
+    SELECT %(job)s, statement_timestamp(), 'step_done', frm, %(to)s, %(step)s, %(actor)s,
+           %(message)s, %(data)s::jsonb
+    FROM moved
+), memo AS (
+    INSERT INTO durable_stepresult (job_id, step, output, cost, duration, attempt, workflow, at)
+    SELECT %(job)s, %(step)s, %(memo)s::jsonb, %(cost)s, %(micros)s * interval '1 microsecond',
+           %(attempt)s, %(workflow)s, statement_timestamp()
+    FROM moved
+    ON CONFLICT DO NOTHING
+), woken AS (
+    SELECT pg_notify('{JOBS_CHANNEL}', %(workflow)s) FROM moved WHERE NOT %(terminal)s
+)
+SELECT (SELECT state FROM job), (SELECT count(*) FROM moved), (SELECT count(*) FROM woken)
+"""
+
+# The row succeeded and its lease ended, fenced by the claim's token (after SQLITE_JOB_STATE
+# found the job in a state it may complete from; SQLITE_MOVE_DONE follows).
+SQLITE_SETTLE_SUCCEEDED = f"""
+UPDATE durable_outbox
+SET status = 'succeeded', remote_id = ?, response_summary = ?, last_error = '',
+    version = version + 1, updated = {SQLITE_NOW}, next_attempt_at = NULL, lease_until = NULL,
+    lease_owner = NULL
+WHERE id = ? AND lease_token = ?
+"""
+
+# Move the job to the step's done state (its event is SQLITE_EVENT and its memo
+# SQLITE_STEP_MEMO_ONCE, in the same transaction).
+SQLITE_MOVE_DONE = f"""
+UPDATE durable_job
+SET state = ?, updated = {SQLITE_NOW}, attempts = 0, lease_until = NULL, lease_owner = NULL,
+    wake_at = NULL, last_error = '',
+    next_run_at = CASE WHEN ? THEN NULL ELSE {SQLITE_NOW} END,
+    result = CASE WHEN ? THEN ? ELSE result END
+WHERE id = ? AND state = ?
+"""
+
+# A step's memo unless one exists (durable_one_memo_per_step: a memo written earlier stands).
+SQLITE_STEP_MEMO_ONCE = SQLITE_STEP_MEMO + " ON CONFLICT DO NOTHING"
 
 
 # Running a statement ------------------------------------------------------------------------

@@ -18,9 +18,10 @@ from django.test import override_settings
 
 import durable
 from durable import destinations, services
+from durable.action_rows import claim_actions
 from durable.dispatch import Dispatcher
 from durable.identity import action_identity
-from durable.locking import claim_actions, db_now
+from durable.locking import db_now
 from durable.models import JobEvent, Outbox, OutboxStatus, Pause, StepResult
 
 from .conftest import ROOT, wait_for
@@ -501,7 +502,7 @@ def test_a_mark_whose_commit_came_back_too_late_to_send_within_its_lease_sends_n
              timeout=10)
     import types
 
-    import durable.dispatch as dispatch_module
+    import durable.sender as dispatch_module
 
     # The dispatcher's clock: the mark begins at 0, and its commit returns at 1000 s.
     readings = iter([0.0])

@@ -14,9 +14,9 @@ from django.test import override_settings
 
 import durable
 from durable import reconcile
+from durable.action_rows import claim_actions
 from durable.dispatch import Dispatcher
 from durable.exceptions import ActionChanged, OperatorError
-from durable.locking import claim_actions
 from durable.models import JobEvent, Outbox, OutboxStatus, StepResult
 
 from .test_actions_support import action, in_state, job, posts

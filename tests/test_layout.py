@@ -49,7 +49,7 @@ PARTS = {
                "durable.formats", "durable.aio"],
     # The rows and every statement and lease write on them; the cost roll-ups.
     "store": ["durable.models", "durable.schedule_models", "durable.locking", "durable.sql",
-              "durable.memos", "durable.wakeups", "durable.rollups"],
+              "durable.memos", "durable.wakeups", "durable.rollups", "durable.action_rows"],
     # Submitting a job: below all that submits (verbs, waits, schedules, tasks).
     "submit": ["durable.submission"],
     # What the worker and the dispatcher loops share: drains, waiter, connections.
@@ -57,7 +57,7 @@ PARTS = {
     # The processes that claim and run jobs.
     "engine": ["durable.runner", "durable.worker", "durable.supervisor"],
     # Effects that leave the system: the outbox, its dispatcher, destinations, decisions.
-    "actions": ["durable.outbox", "durable.dispatch", "durable.slots", "durable.approvals",
+    "actions": ["durable.outbox", "durable.dispatch", "durable.sender", "durable.slots", "durable.approvals",
                 "durable.reconcile", "durable.destinations", "durable.reprepare"],
     # One implementation of every verb for code, console and CLI.
     "verbs": ["durable.services", "durable.purge", "durable.audit"],
