@@ -12,6 +12,7 @@ applied twice) and ``lookup`` (find a request by its key). Destinations are name
 ``DURABLE["DESTINATIONS"]`` or registered in code with ``destinations.register()``.
 """
 
+import functools
 import logging
 import os
 import socket
@@ -206,6 +207,9 @@ def session():
         current = _sessions.get("default")
         if current is None:
             current = requests.Session()
+            # What requests would read from the environment on every request (proxies,
+            # NO_PROXY, a CA bundle, ~/.netrc) is read once per origin by environment().
+            current.trust_env = False
             no_retries = urllib3.Retry(total=0, connect=0, read=0, redirect=0, status=0,
                                        other=0, raise_on_status=False)
             size = max(10, int(durable_settings.DISPATCH_BATCH_SIZE))
@@ -215,6 +219,25 @@ def session():
             current.mount("https://", adapter)
             _sessions["default"] = current
         return current
+
+
+@functools.lru_cache(maxsize=256)
+def environment(origin):
+    """What a plain requests call would take from the environment for URLs at ``origin``.
+
+    The keywords ``session().request`` needs for them: ``proxies`` (HTTP(S)_PROXY, with
+    NO_PROXY applied), ``verify`` (REQUESTS_CA_BUNDLE or CURL_CA_BUNDLE), ``cert`` and
+    ``auth`` (~/.netrc). requests reads them on every request, files included, which on a
+    fast network costs more than the request itself; the process reads them once.
+    """
+    settings = requests.Session().merge_environment_settings(origin, {}, None, None, None)
+    return {"proxies": settings["proxies"], "verify": settings["verify"],
+            "cert": settings["cert"], "auth": requests.utils.get_netrc_auth(origin)}
+
+
+def _origin(url):
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}"
 
 
 _SENSITIVE_HEADERS = ("authorization", "proxy-authorization", "cookie", "x-api-key", "api-key")
@@ -345,7 +368,7 @@ class HttpDestination(Destination):
                 self.method, url, json=request.values, headers=self._headers(request),
                 timeout=self.timeout,
                 # A redirect would replay the request somewhere we did not configure.
-                allow_redirects=False,
+                allow_redirects=False, **environment(_origin(url)),
             )
         except requests.ConnectionError as exc:
             if _connection_never_made(exc):
@@ -388,7 +411,7 @@ class HttpDestination(Destination):
                .replace("{operation}", quote(request.operation, safe="")))
         try:
             response = session().get(url, headers=self._headers(request), timeout=self.timeout,
-                                     allow_redirects=False)
+                                     allow_redirects=False, **environment(_origin(url)))
         except requests.RequestException as exc:
             return LookupResult.cannot_tell(self._describe(exc, "lookup failed"))
         status = response.status_code
