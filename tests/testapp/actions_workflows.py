@@ -104,6 +104,18 @@ class Notify(Workflow):
                       {"to": payload.get("to", "ops"), "n": payload.get("n", 0)})
 
 
+class NotifyMany(Workflow):
+    """Spawns ``payload["children"]`` notify children and joins them: each child ends on its action."""
+
+    name = "notify_many"
+
+    @step(joins=True)
+    def fan_out(self, payload, ctx):
+        kids = ctx.spawn_many("notify", {f"{i:02d}": {"n": i} for i in range(payload["children"])})
+        outcomes = ctx.join(kids)
+        return {"outcomes": sorted(v["outcome"] for v in outcomes.values())}
+
+
 class BadAction(Workflow):
     """An action step that returns what the payload says, valid or not."""
 
