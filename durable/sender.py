@@ -187,6 +187,8 @@ class Sender:
             return self._mark_checked(row, previous)  # the job moved: not ours to send
         row.attempts, row.status = attempts, OutboxStatus.ATTEMPTED
         row.version += 1
+        # What the mark read of the job, as _mark_checked's locked read would have it; the
+        # outcomes that write the job lock and read it again (_lock_job).
         ctx.job = Job(id=row.job_id, workflow=row.workflow, state=state, parent_id=row.parent_id)
         return ctx, lease, bound
 

@@ -55,6 +55,17 @@ def success(**overrides):
     return Success(**fields)
 
 
+def break_fence(row, fence):
+    """Make one of the writes' fences fail for ``row``; returns the job's state after it."""
+    if fence == "token":  # another dispatcher took the row
+        Outbox.objects.filter(pk=row.id).update(lease_token=row.lease_token + 1)
+    elif fence == "status":  # an operator settled it meanwhile
+        Outbox.objects.filter(pk=row.id).update(status=OutboxStatus.UNKNOWN)
+    else:  # the job moved
+        services.cancel("t1", user="ops")
+    return job("t1").state
+
+
 def record(row):
     return record_success(row, registry.get("ticket").table, (IN_FLIGHT, UNKNOWN), success())
 
@@ -82,19 +93,10 @@ def test_a_mark_writes_the_attempt_with_its_event_and_the_send_lease(claimed):
 
 @pytest.mark.parametrize("fence", ["token", "status", "job moved"])
 def test_a_mark_whose_fence_fails_writes_nothing(claimed, fence):
+    state = break_fence(claimed, fence)
     events = JobEvent.objects.count()
-    if fence == "token":
-        Outbox.objects.filter(pk=claimed.id).update(lease_token=claimed.lease_token + 1)
-        expected = (IN_FLIGHT, None)
-    elif fence == "status":
-        Outbox.objects.filter(pk=claimed.id).update(status=OutboxStatus.UNKNOWN)
-        expected = (IN_FLIGHT, None)
-    else:
-        services.cancel("t1", user="ops")
-        expected = ("cancelled", None)
-        events = JobEvent.objects.count()
 
-    assert mark(claimed) == expected
+    assert mark(claimed) == (state, None)
     row = action("t1")
     assert row.attempts == 0 and row.sent_at is None
     assert JobEvent.objects.count() == events
@@ -127,15 +129,10 @@ def test_a_success_keeps_a_memo_written_earlier(claimed):
 @pytest.mark.parametrize("fence", ["token", "job moved"])
 def test_a_success_whose_fence_fails_writes_nothing(claimed, fence):
     mark(claimed)
-    if fence == "token":
-        Outbox.objects.filter(pk=claimed.id).update(lease_token=claimed.lease_token + 1)
-        expected = (IN_FLIGHT, False)
-    else:
-        services.cancel("t1", user="ops")
-        expected = ("cancelled", False)
+    state = break_fence(claimed, fence)
     events = JobEvent.objects.count()
 
-    assert record(claimed) == expected
+    assert record(claimed) == (state, False)
     assert action("t1").status == OutboxStatus.ATTEMPTED
     assert not StepResult.objects.filter(job_id="t1", step="create_ticket").exists()
     assert JobEvent.objects.count() == events
