@@ -240,11 +240,13 @@ class AgentRun:
         renewed_at = time.monotonic()
         ok = locking.commit_memo(
             self.claimed, RUNNING, lease, json.dumps({"turn": turn, "key": key, "calls": self.seq}),
-            key=key, kind=str(kind), name=name[:100], seq=self.seq, turn=turn,
-            fingerprint=fp or "", output_json=output_json, cost=cost,
-            input_tokens=int(input_tokens or 0), output_tokens=int(output_tokens or 0),
-            model=(model or "")[:100], duration=duration, attempt=self.started.attempt,
-            workflow=self.workflow.name,
+            locking.MemoCommit(
+                key=key, kind=str(kind), name=name[:100], seq=self.seq, turn=turn,
+                fingerprint=fp or "", output_json=output_json, cost=cost,
+                input_tokens=int(input_tokens or 0), output_tokens=int(output_tokens or 0),
+                model=(model or "")[:100], duration=duration, attempt=self.started.attempt,
+                workflow=self.workflow.name,
+            ),
         )
         if not ok:
             raise LeaseLost(f"lost the lease of job {self.claimed.id} before {key!r} committed")

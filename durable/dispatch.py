@@ -86,7 +86,7 @@ class Dispatcher(Drains):
         self._senders.start()  # every thread connected before the first claim
         failures = 0
         try:
-            while not self._stopping:
+            while not self.stopping:
                 try:
                     keep_connections_healthy()
                     if self.firer is not None:
@@ -101,11 +101,11 @@ class Dispatcher(Drains):
                         # when one frees, and (if a slot is free) soon for the others' rows.
                         self.slots.freed.wait(0.1 if self.slots.free else self.waiter.poll_interval)
                     elif self.slots.busy:
-                        self.waiter.wait(lambda: self._stopping or self.slots.freed.is_set())
+                        self.waiter.wait(lambda: self.stopping or self.slots.freed.is_set())
                     elif self.burst and self._idle():
                         break
                     else:
-                        self.waiter.wait(lambda: self._stopping)
+                        self.waiter.wait(lambda: self.stopping)
                     failures = 0
                 except (DatabaseError, InterfaceError) as exc:
                     # A row marked attempted stays so and is reconciled after its lease.
@@ -174,7 +174,7 @@ class Dispatcher(Drains):
             return 0
         if self.threads <= 1 or len(rows) == 1:
             for index, row in enumerate(rows):
-                if self._stopping:
+                if self.stopping:
                     self._release(rows[index:])
                     break
                 self._settle(row)
@@ -199,7 +199,7 @@ class Dispatcher(Drains):
             logger.exception("%s action=%s could not be settled", self.name, row.id)
 
     def _process_in_thread(self, row):
-        if self._stopping:
+        if self.stopping:
             self._release([row])  # claimed as the drain began: not started, given back
             return
         try:

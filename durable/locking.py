@@ -472,15 +472,14 @@ class MemoCommit:
     workflow: str
 
 
-def commit_memo(claimed, state, lease_seconds, progress_json, call=None, **fields):
+def commit_memo(claimed, state, lease_seconds, progress_json, c):
     """Write one memo of a leased job with its progress, renewing the lease: one fenced commit.
 
-    ``call`` is a ``MemoCommit`` (or its fields as keywords). On PostgreSQL one statement
-    that commits itself (the insert reads the UPDATE's RETURNING, so a fenced-out worker
-    inserts nothing); on SQLite two statements in one IMMEDIATE transaction. Returns
-    False, having written nothing, when the lease was lost or the job moved.
+    ``c`` is the call's ``MemoCommit``. On PostgreSQL one statement that commits itself
+    (the insert reads the UPDATE's RETURNING, so a fenced-out worker inserts nothing); on
+    SQLite two statements in one IMMEDIATE transaction. Returns False, having written
+    nothing, when the lease was lost or the job moved.
     """
-    c = call if call is not None else MemoCommit(**fields)
     db = database()
     micros = c.duration // _MICROSECOND
     if db.vendor == "postgresql":

@@ -202,9 +202,8 @@ class Drains:
 
     @property
     def stopping(self):
+        """Whether the drain began: claim nothing more."""
         return self.drain.is_set()
-
-    _stopping = stopping
 
     def install_signal_handlers(self):
         signal.signal(signal.SIGTERM, self._on_signal)

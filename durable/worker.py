@@ -438,7 +438,7 @@ class Worker(Drains):
         # Only the first slot claims at start; the others wait to be rung by a slot that
         # found work, so an idle process does not storm the database with claims.
         wait_first = slot is not None and slot.runner is not self.runner and not self.burst
-        while not self._stopping and not (slot is not None and slot.abandoned):
+        while not self.stopping and not (slot is not None and slot.abandoned):
             try:
                 if wait_first:
                     self._wait_for_work(slot)
@@ -475,7 +475,7 @@ class Worker(Drains):
     def _wait_for_work(self, slot):
         """Until there may be work: a slot whose wait for a ring timed out claims nothing (a
         claim on SQLite takes the write lock), it waits again."""
-        while not self._idle(slot) and not self._stopping:
+        while not self._idle(slot) and not self.stopping:
             pass
 
     def _idle(self, slot):
@@ -490,11 +490,11 @@ class Worker(Drains):
             finally:
                 self._firing.release()
         if slot is None:
-            self.waiter.wait(lambda: self._stopping)
+            self.waiter.wait(lambda: self.stopping)
             return True
         if self._listening.acquire(blocking=False):
             try:
-                self.waiter.wait(lambda: self._stopping)
+                self.waiter.wait(lambda: self.stopping)
             except (DatabaseError, InterfaceError):
                 self.waiter.close()
                 raise
@@ -503,7 +503,7 @@ class Worker(Drains):
             self._ring()
             return True
         with self._bell:
-            if self._stopping:
+            if self.stopping:
                 return True
             return self._bell.wait(self.waiter.poll_interval)
 
@@ -521,7 +521,7 @@ class Worker(Drains):
                 slot.abandoned = True
             stuck = sum(1 for s in self._slots if s.abandoned and s.is_alive())
             recycle = stuck > self.max_abandoned
-            if not recycle and not self._stopping:
+            if not recycle and not self.stopping:
                 # Appended before the main thread can see no slot serving.
                 replacement = _Slot(self, self._new_runner(), self._next_index - 1)
                 self._slots.append(replacement)
