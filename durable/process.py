@@ -212,9 +212,11 @@ class Drains:
     def _on_signal(self, signum, frame):
         self._signals += 1
         if self._signals == 1:
+            # The drain begins before it is announced: whoever reads the line (a person,
+            # a supervisor, a test) may rely on no claim starting after it.
+            self.stop()
             logger.info("%s received %s: %s", self.name, signal.strsignal(signum),
                         self.draining_message)
-            self.stop()
         else:
             logger.warning("%s received %s again: exiting now", self.name, signal.strsignal(signum))
             logging.shutdown()
