@@ -83,7 +83,6 @@ class Dispatcher(Drains):
         logger.info("%s started (lease %ss, %d slots%s)", self.name, self.lease_seconds,
                     self.threads, ", burst" if self.burst else "")
         self._senders = Senders(self.threads, self._process_in_thread)
-        self._senders.start()  # every thread connected before the first claim
         failures = 0
         try:
             while not self.stopping:

@@ -17,18 +17,13 @@ memory; nothing here touches the database.
 """
 
 import collections
-import logging
 import queue
 import threading
-import time
 
 from django.db import connection
-from django.db.utils import DatabaseError
 
 from .conf import durable_settings
 from .process import keep_connections_healthy
-
-logger = logging.getLogger("durable.dispatch")
 
 
 class Slots:
@@ -96,7 +91,6 @@ class Senders:
     A thread keeps its database connection from one row to the next (a reconnect per
     row would cost more than most replies take); a connection that broke is replaced
     before the next row, and every thread closes its own when the senders close.
-    ``start`` opens them all before the first row arrives, so no claimed row waits for one.
     """
 
     def __init__(self, count, settle, name="durable-dispatch"):
@@ -105,23 +99,13 @@ class Senders:
         self._threads = [threading.Thread(target=self._serve, name=f"{name}-{i}", daemon=True)
                          for i in range(int(count))]
         self._started = False
-        self._ready = threading.Semaphore(0)
-
-    def start(self, timeout=10.0):
-        """Start every thread and wait (at most ``timeout``) until each has its connection."""
-        if self._started:
-            return
-        self._started = True
-        for thread in self._threads:
-            thread.start()
-        deadline = time.monotonic() + timeout
-        for _ in self._threads:
-            if not self._ready.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                break  # the database is slow to answer: the rows will wait for it instead
 
     def submit(self, row, done):
         """Settle ``row`` on a free thread, then call ``done(row)``."""
-        self.start(timeout=0)
+        if not self._started:
+            self._started = True
+            for thread in self._threads:
+                thread.start()
         self._queue.put((row, done))
 
     def close(self):
@@ -135,13 +119,6 @@ class Senders:
 
     def _serve(self):
         try:
-            try:
-                connection.ensure_connection()
-            except DatabaseError as exc:
-                # Not fatal: the first row tries again (and the dispatcher's loop, too).
-                logger.warning("a sender could not connect to the database yet: %s", exc)
-            finally:
-                self._ready.release()
             while True:
                 item = self._queue.get()
                 if item is None:

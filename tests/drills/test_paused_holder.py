@@ -14,6 +14,7 @@ pytestmark = [pytest.mark.crash, pytest.mark.django_db(transaction=True)]
 def test_a_paused_lease_holder_finishes_its_step_after_sigcont_but_its_commit_is_fenced(lab, size):
     row = paused_holder(lab, size)
     assert row.extra["paused"] == size.hold_jobs
+    assert row.extra["finished"], "the other workers did not finish the held jobs"
     # The drill only proves fencing if the paused workers really came back to commit.
     assert row.extra["returned_to_commit"]
     assert row.extra["late_events"] == 0
