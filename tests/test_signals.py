@@ -1,6 +1,6 @@
 """Signals and waits in-process: the inbox, dedupe, FIFO, timeouts recorded once, bad input."""
 
-import time
+import datetime
 
 import pytest
 from django.db import connection
@@ -82,11 +82,14 @@ def test_signals_of_one_name_are_consumed_oldest_first_one_per_wait():
 
 
 def test_a_deadline_records_timed_out_once_and_a_later_signal_does_not_change_it():
-    durable.submit("confirm", "j", {"timeout": 0.3})
+    # A deadline an hour away, then moved into the past: no drain can race the clock.
+    durable.submit("confirm", "j", {"timeout": 3600})
     drain()
     parked = job("j")
     assert parked.state == "awaiting_signal_ask" and parked.next_run_at is not None
-    time.sleep(0.4)
+    past = parked.next_run_at - datetime.timedelta(hours=2)
+    assert Wait.objects.filter(job_id="j", deadline__gt=past).update(deadline=past) == 1
+    Job.objects.filter(pk="j").update(next_run_at=past)
     drain()
     assert job("j").result == {"timed_out": True}
     wait = Wait.objects.get(job_id="j")
