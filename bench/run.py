@@ -73,7 +73,8 @@ def parse_args(argv=None):
     p.add_argument("--task-jobs", type=int, default=2000, help="no-op @task calls per drain")
     p.add_argument("--task-processes", type=_csv(int), default=[1, 4],
                    help="worker processes of each backend for the task figure (default 1,4)")
-    p.add_argument("--dispatch-jobs", type=int, default=300, help="queued actions for the dispatcher figure")
+    p.add_argument("--dispatch-jobs", type=int, default=1000,
+                   help="queued actions for the dispatcher figure (default 1000)")
     p.add_argument("--dispatch-latency", type=float, default=0.1,
                    help="seconds the healthy receiver takes to answer (default 0.1)")
     p.add_argument("--skip", type=_csv(str), default=[],

@@ -69,7 +69,7 @@ DEFAULTS = {
     # Actions a slow destination may have in flight per dispatcher process: one that has
     # not answered yet, or whose last send got no reply (timed out, cut, unreachable).
     # Each destination's own cap is its CONCURRENCY option (default: every slot).
-    "DISPATCH_SLOW_CONCURRENCY": 2,
+    "DISPATCH_SLOW_CONCURRENCY": 1,
     "HTTP_TIMEOUT": (3.05, 10.0),
     # Bounded lookups of an unknown action before it waits for an operator.
     "LOOKUP_ATTEMPTS": 5,

@@ -5,12 +5,13 @@ frees is filled with the next due action at once; nothing waits for a batch to f
 Each destination holds at most its share:
 
 - its ``CONCURRENCY`` option in ``DURABLE["DESTINATIONS"]`` (default: every slot);
-- while it is *slow*, ``DURABLE["DISPATCH_SLOW_CONCURRENCY"]`` (default 2). A destination
+- while it is *slow*, ``DURABLE["DISPATCH_SLOW_CONCURRENCY"]`` (default 1). A destination
   is slow until a send to it has come back with a reply (a result or a refusal), and
   again from the moment one ends without a reply (timed out, cut, not reachable).
 
-So a destination that never answers holds a couple of slots, waiting out its read
-timeout, and every other destination keeps the rest. A destination that answered
+So a destination that never answers holds one slot, waiting out its read timeout with
+one trial send at a time (a circuit breaker's half-open state), and every other
+destination keeps the rest. A destination that answered
 before and then stops answering holds up to its ``CONCURRENCY`` until its first send
 times out: set ``CONCURRENCY`` to bound that. The bookkeeping is per process, in
 memory; nothing here touches the database.
