@@ -429,7 +429,8 @@ def dispatch_slots(destination):
 
     dispatcher = Dispatcher(name="bench-probe")
     limit = getattr(dispatcher, "slots_for", None)
-    return limit(destination) if limit else dispatcher.threads
+    # Rows claimed ahead of the threads wait for one: the sends in flight are at most threads.
+    return min(limit(destination), dispatcher.threads) if limit else dispatcher.threads
 
 
 def phase_dispatch(args):

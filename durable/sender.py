@@ -11,11 +11,15 @@ threads. The sender decides from the row's status alone:
                 deduplicates, or wait for an operator
 
 The common case, an action step's row sent and confirmed, is two fenced writes
-(``durable.action_rows``: ``mark_attempted``, then ``outbox.confirm``); everything else
+(``durable.action_rows``: ``mark_attempted``, then ``outbox.confirm``). Under
+``Dispatcher.run`` the confirmation is handed to one writing thread (``open_batches``):
+the slot frees at the reply, and sends that came back together share a commit.
+Everything else
 (approvals, agents' tool calls, a job that moved, refusals, unknowns) reads and locks
 the job with the ORM.
 """
 
+import dataclasses
 import json
 import logging
 import time
@@ -32,8 +36,10 @@ from .destinations import Outcome, Request
 from .exceptions import UnknownDestination, UnknownWorkflow
 from .models import EventKind, Job, JobEvent, Outbox, OutboxStatus
 from .outbox import ActionContext, check_before_dispatch, complete, confirm, fail, step_of_row
+from .process import keep_connections_healthy
 from .retry import backoff, scrub
 from .signals import job_finished
+from .slots import Batches
 from .states import CANCELLED
 from .workflows import registry
 
@@ -46,6 +52,18 @@ def _request(row):
     return Request(destination=row.destination, operation=row.operation, values=row.payload,
                    idempotency_key=row.idempotency_key, job_id=row.job_id, kind=row.kind,
                    attempt=row.attempts)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Reply:
+    """A confirmed send or lookup of a claimed row, as it is written."""
+
+    ctx: ActionContext
+    remote_id: str
+    summary: str  # redacted
+    data: object  # the decoded reply if small enough for a memo, else None
+    how: str  # "dispatch" or "lookup"
+    message: str  # the step's event
 
 
 class _Missing(destinations.Destination):
@@ -66,6 +84,7 @@ class Sender:
         self.name = name
         self.lease_seconds = lease_seconds
         self.slots = slots  # told whether each send came back with a reply
+        self._batches = None  # see open_batches
 
     # One row ---------------------------------------------------------------------------
 
@@ -258,7 +277,11 @@ class Sender:
         # none (timed out, cut, not reachable) leaves it the slow share (durable.slots).
         self.slots.answered(ctx.row.destination,
                             replied=outcome.status in (destinations.SUCCEEDED, destinations.FAILED))
-        if outcome.status == destinations.SUCCEEDED:
+        batches = self._batches
+        if outcome.status == destinations.SUCCEEDED and batches is not None:
+            batches.put(self._reply(ctx, outcome.remote_id, outcome.summary, outcome.data,
+                                    "dispatch"))
+        elif outcome.status == destinations.SUCCEEDED:
             self._succeeded(ctx, outcome.remote_id, outcome.summary, outcome.data, "dispatch")
         elif outcome.status == destinations.FAILED:
             self._failed(ctx, outcome.error or outcome.summary)
@@ -274,49 +297,108 @@ class Sender:
         return ctx.job
 
     def _succeeded(self, ctx, remote_id, summary, data, how):
+        reply = self._reply(ctx, remote_id, summary, data, how)
+        self._confirmed(reply, self._confirm(reply))
+
+    def _reply(self, ctx, remote_id, summary, data, how):
         row = ctx.row
-        summary = ctx.destination.redact(summary)[:2000]
         remote_id = str(remote_id or "")[:255]
-        message = (f"{row.operation} on {row.destination} succeeded (remote id"
-                   f" {remote_id or 'none'}, {how})")
+        return _Reply(ctx, remote_id, ctx.destination.redact(summary)[:2000], _small(data), how,
+                      f"{row.operation} on {row.destination} succeeded (remote id"
+                      f" {remote_id or 'none'}, {how})")
+
+    def _confirm(self, reply):
         # One fenced write when the job waits for it (the claimed row has the fields a
-        # memo names, see action_rows.ClaimedAction); else the row, then the job.
-        confirmed = confirm(ctx, remote_id, summary, _small(data), how, actor=self.name,
-                            message=message)
+        # memo names, see action_rows.ClaimedAction); else _confirmed writes the row, then the job.
+        return confirm(reply.ctx, reply.remote_id, reply.summary, reply.data, reply.how,
+                       actor=self.name, message=reply.message)
+
+    def _confirmed(self, reply, confirmed):
+        """What follows a confirmation: the row and the job apart if it could not be one write."""
+        ctx = reply.ctx
+        row = ctx.row
         if confirmed.lost:
             self._lost(ctx)
             return
         finished = confirmed.finished
         if not confirmed.done:
-            finished = self._succeeded_apart(ctx, remote_id, summary, data, how, message)
+            finished = self._succeeded_apart(reply)
             if finished is False:
                 return
         logger.info("%s job=%s step=%s action succeeded remote_id=%s (%s)", self.name,
-                    row.job_id, row.kind, remote_id, how)
+                    row.job_id, row.kind, reply.remote_id, reply.how)
         if finished and job_finished.has_listeners():
             job_finished.send(ctx.workflow.name, job_id=row.job_id, state=finished)
 
-    def _succeeded_apart(self, ctx, remote_id, summary, data, how, message):
+    def _succeeded_apart(self, reply):
         """The row succeeded, then the job: its terminal state, None, or False (the lease was lost)."""
+        ctx = reply.ctx
         row = ctx.row
         finished = None
         with transaction.atomic():
             if not action_rows.park_action(
-                row, status=OutboxStatus.SUCCEEDED, remote_id=remote_id, response_summary=summary,
-                last_error="", version=F("version") + 1, updated=Now(),
+                row, status=OutboxStatus.SUCCEEDED, remote_id=reply.remote_id,
+                response_summary=reply.summary, last_error="", version=F("version") + 1,
+                updated=Now(),
             ):
                 self._lost(ctx)
                 return False
-            row.remote_id, row.response_summary = remote_id, summary
+            row.remote_id, row.response_summary = reply.remote_id, reply.summary
             job = self._lock_job(ctx)
-            memo = Outbox.confirmed_memo(row, how, _small(data))
+            memo = Outbox.confirmed_memo(row, reply.how, reply.data)
             if job.state in (ctx.states.in_flight, ctx.states.unknown):
-                finished = complete(ctx, memo, actor=self.name, message=message)
+                finished = complete(ctx, memo, actor=self.name, message=reply.message)
             else:
-                self._event(ctx, f"{row.operation} succeeded (remote id {remote_id}) but the job"
-                                 f" is {job.state}: recorded on the action only",
+                self._event(ctx, f"{row.operation} succeeded (remote id {reply.remote_id}) but"
+                                 f" the job is {job.state}: recorded on the action only",
                             data={"phase": "succeeded"})
         return finished
+
+    # Confirmed sends, written together -------------------------------------------------------
+
+    def open_batches(self):
+        """From now on a confirmed send is written on a thread of its own, with the others
+        that came back meanwhile (``durable.slots.Batches``): its slot frees at the reply."""
+        self._batches = Batches(self.write_confirmed)
+
+    def close_batches(self):
+        """Write every confirmed send handed over, then stop the thread. Idempotent."""
+        batches, self._batches = self._batches, None
+        if batches is not None:
+            batches.close()
+
+    def write_confirmed(self, replies):
+        """Write confirmed sends: one transaction for all, or each alone if that one fails.
+
+        Until its write commits, a confirmed row stays attempted under its send lease, as
+        it was between the reply and the write: a dispatcher killed meanwhile leaves it
+        to the next claim, which reconciles it (a lookup finds it sent).
+        """
+        if len(replies) > 1:
+            try:
+                with transaction.atomic():
+                    confirmed = [self._confirm(reply) for reply in replies]
+            except Exception as exc:  # noqa: BLE001 - nothing was written: each alone, below
+                logger.warning("%s: %d confirmed sends could not be written together (%s);"
+                               " writing each alone", self.name, len(replies), exc)
+            else:
+                for reply, outcome in zip(replies, confirmed, strict=True):
+                    self._settled(self._confirmed, reply, outcome)
+                return
+        for reply in replies:
+            self._settled(self._succeeded_alone, reply)
+
+    def _succeeded_alone(self, reply):
+        keep_connections_healthy()
+        self._confirmed(reply, self._confirm(reply))
+
+    def _settled(self, write, reply, *args):
+        try:
+            write(reply, *args)
+        except Exception:  # noqa: BLE001 - one broken row must not stop the others
+            # The row keeps its lease and is reconciled once it ends (a lookup finds it sent).
+            logger.exception("%s action=%s confirmed send could not be recorded", self.name,
+                             reply.ctx.row.id)
 
     def _failed(self, ctx, error):
         row = ctx.row

@@ -15,9 +15,14 @@ destination keeps the rest. A destination that answered
 before and then stops answering holds up to its ``CONCURRENCY`` until its first send
 times out: set ``CONCURRENCY`` to bound that. The bookkeeping is per process, in
 memory; nothing here touches the database.
+
+A slot frees when its send comes back, before what it learned is written: a confirmed
+send is written by ``Batches``, on a thread of its own, together with the others that
+came back meanwhile (one commit for them all).
 """
 
 import collections
+import logging
 import queue
 import threading
 
@@ -25,6 +30,8 @@ from django.db import connection
 
 from .conf import durable_settings
 from .process import keep_connections_healthy
+
+logger = logging.getLogger("durable.dispatch")
 
 
 class Slots:
@@ -130,5 +137,55 @@ class Senders:
                     self._settle(row)
                 finally:
                     done(row)
+        finally:
+            connection.close()
+
+
+class Batches:
+    """One thread that writes what the senders hand it, as many items per call as are waiting.
+
+    ``write(items)`` is called with every item queued since the last call (at most
+    ``most``), in the order they were put; ``close`` waits until every item put before
+    it has been written. The thread keeps its database connection between calls.
+    """
+
+    def __init__(self, write, most=64, name="durable-dispatch-record"):
+        self._write = write
+        self.most = int(most)
+        self._queue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, item):
+        self._queue.put(item)
+
+    def close(self):
+        self._queue.put(None)
+        self._thread.join()
+
+    def _serve(self):
+        try:
+            while True:
+                item = self._queue.get()
+                if item is None:
+                    return
+                batch, last = [item], False
+                while len(batch) < self.most:
+                    try:
+                        item = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if item is None:
+                        last = True
+                        break
+                    batch.append(item)
+                try:
+                    keep_connections_healthy()
+                    self._write(batch)
+                except Exception:  # noqa: BLE001 - the thread must go on for the next items
+                    # Their rows stay attempted under their leases and are reconciled after.
+                    logger.exception("%d confirmed sends could not be written", len(batch))
+                if last:
+                    return
         finally:
             connection.close()

@@ -6,6 +6,7 @@ their database connections from one row to the next.
 """
 
 import json
+import threading
 
 import pytest
 from django.db import connection
@@ -80,7 +81,7 @@ def test_the_dispatchers_threads_keep_their_database_connections_from_row_to_row
     opened = []
 
     def count(sender, connection, **kwargs):
-        opened.append(connection.alias)
+        opened.append(threading.current_thread().name)
 
     try:
         with override_settings(DURABLE={"DESTINATIONS": {"healthy": http(receiver.url)}}):
@@ -94,9 +95,14 @@ def test_the_dispatchers_threads_keep_their_database_connections_from_row_to_row
                 connection_created.disconnect(count)
         assert Outbox.objects.filter(status=OutboxStatus.SUCCEEDED).count() == 12
         assert len(receiver.actions) == 12
-        # One connection per thread that ran rows (three at most), not one per row; the
-        # loop's own is the test's.
-        assert 1 <= len(opened) <= 3
+        # One connection per thread that ran rows (three at most), not one per row, and
+        # one for the thread that writes the confirmed sends; the loop's own is the test's.
+        assert len(opened) == len(set(opened))
+        senders = [name for name in opened if name.startswith("durable-dispatch-")
+                   and name != "durable-dispatch-record"]
+        assert 1 <= len(senders) <= 3
+        assert opened.count("durable-dispatch-record") == 1
+        assert len(opened) == len(senders) + 1
     finally:
         receiver.stop()
         connection.close()
@@ -105,22 +111,24 @@ def test_the_dispatchers_threads_keep_their_database_connections_from_row_to_row
 def test_a_destination_earns_its_slots_by_answering_and_loses_them_by_not_answering():
     dispatcher = Dispatcher(name="d", threads=10)
     slots = dispatcher.slots
+    ahead = dispatcher.ahead  # rows claimed beyond the threads, waiting for the next free one
+    assert ahead == 3 and slots.total == 10 + ahead
     assert slots.room("crm") == 1  # never answered yet: DISPATCH_SLOW_CONCURRENCY, one trial
     slots.answered("crm", replied=True)
-    assert slots.room("crm") == 10
+    assert slots.room("crm") == 10 + ahead
     slots.take("crm")
     slots.take("crm")
-    assert slots.room("crm") == 8
-    assert slots.free == 8
+    assert slots.room("crm") == 8 + ahead
+    assert slots.free == 8 + ahead
     slots.answered("crm", replied=False)  # a send ended without a reply (timed out, cut)
     assert slots.room("crm") == 0  # it holds two and may hold one while it is slow
     slots.done("crm")
     assert slots.room("crm") == 0
-    assert slots.free == 9
+    assert slots.free == 9 + ahead
     slots.done("crm")
     assert slots.room("crm") == 1  # nothing in flight: one trial send again
     slots.answered("crm", replied=True)
-    assert slots.room("crm") == 10
+    assert slots.room("crm") == 10 + ahead
 
 
 @override_settings(DURABLE={"DISPATCH_SLOW_CONCURRENCY": 3, "DESTINATIONS": {
@@ -129,8 +137,8 @@ def test_a_destination_earns_its_slots_by_answering_and_loses_them_by_not_answer
 def test_a_destination_holds_at_most_its_concurrency_and_a_slow_one_the_slow_share():
     dispatcher = Dispatcher(name="d", threads=10)
     slots = dispatcher.slots
-    assert dispatcher.slots_for("crm") == 4
-    assert dispatcher.slots_for("other") == 10
+    assert dispatcher.slots_for("crm") == 4  # claimed ahead or sending: never more than 4
+    assert dispatcher.slots_for("other") == 10 + dispatcher.ahead
     assert slots.room("crm") == 3
     slots.answered("crm", replied=True)
     assert slots.room("crm") == 4
@@ -138,7 +146,12 @@ def test_a_destination_holds_at_most_its_concurrency_and_a_slow_one_the_slow_sha
         slots.take("crm")
     assert slots.room("crm") == 0
     assert slots.room("other") == 3
-    assert slots.free == 6
+    assert slots.free == 6 + dispatcher.ahead
+
+
+def test_a_dispatcher_of_one_thread_claims_one_row_ahead_and_never_sends_two_at_once():
+    assert Dispatcher(name="d", threads=1).ahead == 1
+    assert Dispatcher(name="d", threads=1).slots_for("crm") == 2
 
 
 @pytest.mark.parametrize("value", [0, -1, 2.5, "4", True])
