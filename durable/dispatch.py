@@ -48,10 +48,6 @@ class Dispatcher(Drains):
 
     # As safe as a crash on a second signal: an attempted row is reconciled by the next claim.
     draining_message = "recording the actions in flight, then exiting"
-    # Rows claimed beyond the free threads: they wait (pending, leased) for the next thread
-    # that frees, which marks and sends one at once. A capped destination (CONCURRENCY)
-    # and a slow one count them against their share; a drain gives them back unsent.
-    claim_ahead = 3
 
     def __init__(self, *, name=None, burst=False, lease_seconds=None, poll_interval=None,
                  batch_size=None, threads=None, workflows=None, queues=None,
@@ -67,9 +63,12 @@ class Dispatcher(Drains):
         self.batch_size = int(batch_size or durable_settings.DISPATCH_BATCH_SIZE)
         # One slot per thread: the actions in flight at once, each destination its share.
         self.threads = int(threads or self.batch_size)
-        # Claimed ahead of the threads, so a thread that frees starts its next row at once
-        # instead of waiting for the loop's next claim (a few ms each round).
-        self.ahead = min(self.claim_ahead, self.threads)
+        # Rows claimed beyond the threads, half a round: they wait (pending, leased) for the
+        # next thread that frees, which marks and sends one at once instead of waiting for
+        # the loop's next claim (milliseconds each, claims of single rows queueing behind
+        # each other). A capped destination (CONCURRENCY) and a slow one count them against
+        # their share; a drain gives them back unsent.
+        self.ahead = max(1, self.threads // 2)
         self.slots = Slots(self.threads + self.ahead, self.slots_for)
         self.sender = Sender(self.name, self.lease_seconds, self.slots)
         self.waiter = OutboxWaiter(poll_interval or durable_settings.POLL_INTERVAL)

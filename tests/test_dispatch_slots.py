@@ -112,7 +112,7 @@ def test_a_destination_earns_its_slots_by_answering_and_loses_them_by_not_answer
     dispatcher = Dispatcher(name="d", threads=10)
     slots = dispatcher.slots
     ahead = dispatcher.ahead  # rows claimed beyond the threads, waiting for the next free one
-    assert ahead == 3 and slots.total == 10 + ahead
+    assert ahead == 5 and slots.total == 10 + ahead  # half a round ahead
     assert slots.room("crm") == 1  # never answered yet: DISPATCH_SLOW_CONCURRENCY, one trial
     slots.answered("crm", replied=True)
     assert slots.room("crm") == 10 + ahead
