@@ -104,7 +104,8 @@ class Senders:
     def __init__(self, count, settle, name="durable-dispatch"):
         self._settle = settle
         self._queue = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._serve, name=f"{name}-{i}", daemon=True)
+        self._threads = [threading.Thread(target=_serve, args=(self._queue, self._one),
+                                          name=f"{name}-{i}", daemon=True)
                          for i in range(int(count))]
         self._started = False
 
@@ -125,20 +126,13 @@ class Senders:
         for thread in self._threads:
             thread.join()
 
-    def _serve(self):
+    def _one(self, item):
+        row, done = item
         try:
-            while True:
-                item = self._queue.get()
-                if item is None:
-                    return
-                row, done = item
-                try:
-                    keep_connections_healthy()
-                    self._settle(row)
-                finally:
-                    done(row)
+            keep_connections_healthy()
+            self._settle(row)
         finally:
-            connection.close()
+            done(row)
 
 
 class Batches:
@@ -153,7 +147,8 @@ class Batches:
         self._write = write
         self.most = int(most)
         self._queue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread = threading.Thread(target=_serve, args=(self._queue, self._batch), name=name,
+                                        daemon=True)
         self._thread.start()
 
     def put(self, item):
@@ -163,29 +158,33 @@ class Batches:
         self._queue.put(None)
         self._thread.join()
 
-    def _serve(self):
+    def _batch(self, first):
+        """Write ``first`` and what waits behind it; True when the closing mark was among them."""
+        batch, last = [first], False
+        while len(batch) < self.most:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                last = True
+                break
+            batch.append(item)
         try:
-            while True:
-                item = self._queue.get()
-                if item is None:
-                    return
-                batch, last = [item], False
-                while len(batch) < self.most:
-                    try:
-                        item = self._queue.get_nowait()
-                    except queue.Empty:
-                        break
-                    if item is None:
-                        last = True
-                        break
-                    batch.append(item)
-                try:
-                    keep_connections_healthy()
-                    self._write(batch)
-                except Exception:  # noqa: BLE001 - the thread must go on for the next items
-                    # Their rows stay attempted under their leases and are reconciled after.
-                    logger.exception("%d confirmed sends could not be written", len(batch))
-                if last:
-                    return
-        finally:
-            connection.close()
+            keep_connections_healthy()
+            self._write(batch)
+        except Exception:  # noqa: BLE001 - the thread must go on for the next items
+            # Their rows stay attempted under their leases and are reconciled after.
+            logger.exception("%d confirmed sends could not be written", len(batch))
+        return last
+
+
+def _serve(items, handle):
+    """A thread's loop: hand what ``items`` holds to ``handle`` until None (or ``handle`` says
+    it saw it), then close the thread's database connection."""
+    try:
+        while (item := items.get()) is not None:
+            if handle(item):
+                return
+    finally:
+        connection.close()
