@@ -277,11 +277,7 @@ class Sender:
         # none (timed out, cut, not reachable) leaves it the slow share (durable.slots).
         self.slots.answered(ctx.row.destination,
                             replied=outcome.status in (destinations.SUCCEEDED, destinations.FAILED))
-        batches = self._batches
-        if outcome.status == destinations.SUCCEEDED and batches is not None:
-            batches.put(self._reply(ctx, outcome.remote_id, outcome.summary, outcome.data,
-                                    "dispatch"))
-        elif outcome.status == destinations.SUCCEEDED:
+        if outcome.status == destinations.SUCCEEDED:
             self._succeeded(ctx, outcome.remote_id, outcome.summary, outcome.data, "dispatch")
         elif outcome.status == destinations.FAILED:
             self._failed(ctx, outcome.error or outcome.summary)
@@ -297,7 +293,15 @@ class Sender:
         return ctx.job
 
     def _succeeded(self, ctx, remote_id, summary, data, how):
+        """Record a confirmed send or lookup: here, or on the writing thread (``open_batches``)."""
         reply = self._reply(ctx, remote_id, summary, data, how)
+        batches = self._batches
+        if batches is not None:
+            batches.put(reply)
+        else:
+            self._write_one(reply)
+
+    def _write_one(self, reply):
         self._confirmed(reply, self._confirm(reply))
 
     def _reply(self, ctx, remote_id, summary, data, how):
@@ -357,8 +361,9 @@ class Sender:
     # Confirmed sends, written together -------------------------------------------------------
 
     def open_batches(self):
-        """From now on a confirmed send is written on a thread of its own, with the others
-        that came back meanwhile (``durable.slots.Batches``): its slot frees at the reply."""
+        """From now on a confirmed send (or one a lookup found) is written on a thread of its
+        own, with the others that came back meanwhile (``durable.slots.Batches``): its slot
+        frees at the reply."""
         self._batches = Batches(self.write_confirmed)
 
     def close_batches(self):
@@ -386,11 +391,8 @@ class Sender:
                     self._settled(self._confirmed, reply, outcome)
                 return
         for reply in replies:
-            self._settled(self._succeeded_alone, reply)
-
-    def _succeeded_alone(self, reply):
-        keep_connections_healthy()
-        self._confirmed(reply, self._confirm(reply))
+            keep_connections_healthy()  # a failed batch may have broken the connection
+            self._settled(self._write_one, reply)
 
     def _settled(self, write, reply, *args):
         try:
