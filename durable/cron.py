@@ -18,7 +18,9 @@ multiples of itself since 1970-01-01 UTC, so every process computes the same tic
 
 ``plan()`` decides what one pass of the firer does with the ticks that fell due: which
 run, which were missed (downtime), which are skipped or queued (overlap). The firer in
-``durable.schedules`` applies the plan under a row lock.
+``durable.schedules`` applies the plan under a row lock. A pass that comes late finds
+several ticks due at once; each is judged against the runs that were going at its own
+time, not against the run the pass itself starts for an earlier one.
 """
 
 import datetime
@@ -271,17 +273,23 @@ class Plan:
     newly_queued: list = field(default_factory=list)
     dropped: list = field(default_factory=list)  # queued ticks beyond max_catch_up
     last_tick: datetime.datetime | None = None  # the latest tick decided
+    # Ticks after last_tick are due but undecided: nothing ran at their time, and a run
+    # fired after them is going now (overlap "skip"); a pass decides them when it ends.
+    held: bool = False
 
     @property
     def missed_count(self):
         return len(self.missed) + self.missed_more
 
 
-def plan(schedule, *, last_tick, now, previous_going, queued=()):
+def plan(schedule, *, last_tick, now, previous_going, queued=(), runs=None):
     """Decide one pass: the ticks in ``(last_tick, now]``, the queue, and the policies.
 
     ``previous_going`` says whether the schedule's previous run is still unfinished.
-    Pure: the same inputs give the same plan in every process.
+    ``runs`` are ``(started, ended)`` of the schedule's runs that may have been going at
+    the due ticks (``ended`` None: still going); without them, a run still going is taken
+    to have been going at every due tick. Pure: the same inputs give the same plan in
+    every process.
     """
     result = Plan(last_tick=last_tick, queued=list(queued))
     due = schedule.ticks(last_tick, now) if last_tick is not None else []
@@ -311,12 +319,8 @@ def plan(schedule, *, last_tick, now, previous_going, queued=()):
     if schedule.overlap == "allow":
         result.fire = chosen
     elif schedule.overlap == "skip":
-        if previous_going:
-            result.skipped = chosen
-        elif chosen:
-            # At most one run at a time: the latest chosen tick runs, the others are skipped.
-            result.fire, result.skipped = chosen[-1:], chosen[:-1]
-            result.caught_up = [t for t in result.caught_up if t in result.fire]
+        _skip(result, due, chosen, now, last_tick, previous_going,
+              list(runs) if runs is not None else [(None, None)] if previous_going else [])
     else:  # queue: ticks wait their turn, one run at a time, at most max_catch_up waiting
         waiting = result.queued + [t for t in chosen if t not in result.queued]
         if not previous_going and waiting:
@@ -328,6 +332,30 @@ def plan(schedule, *, last_tick, now, previous_going, queued=()):
         result.queued = waiting
         result.caught_up = [t for t in result.caught_up if t in result.fire]
     return result
+
+
+def _skip(result, due, chosen, now, last_tick, going, runs):
+    """Overlap "skip", one tick at a time: skipped only if a run was going at its time.
+
+    A tick at which nothing ran fires, unless a run fired after it (by this pass, or a
+    late earlier one) is going now: then it and the ticks after it wait undecided
+    (``held``) until that run ends, so one run at a time holds without calling a tick
+    skipped for a run that had not started.
+    """
+    for tick in chosen:
+        if any((start is None or start <= tick) and (end is None or tick < end)
+               for start, end in runs):
+            result.skipped.append(tick)
+        elif going:
+            result.held = True
+            earlier = [t for t in due if t < tick]
+            result.last_tick = earlier[-1] if earlier else last_tick
+            break
+        else:
+            result.fire.append(tick)
+            runs.append((now, None))
+            going = True
+    result.caught_up = [t for t in result.caught_up if t in result.fire]
 
 
 def _on_time_span(schedule, now):

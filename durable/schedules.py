@@ -1,21 +1,24 @@
 """Firing schedules: one job per tick, from any number of worker processes.
 
-Every worker runs ``Firer.maybe_fire()`` from its loop, at most once a second. A pass
-reads which schedules are due by the database clock (one indexed read), and settles each
-due one in a short transaction that locks its ``ScheduleState`` row: the plan for the
-ticks that fell due (``durable.cron.plan``), the jobs it submits and the decisions it
-records commit together. The job for a tick is submitted under a key made of the
-schedule's name and the tick's time, so even two passes that both decided to fire the
-same tick (a lock bypassed, a row reset) make one job. No leader, no beat process.
+Every worker runs ``Firer.maybe_fire()`` from its loop, at most once a second, or sooner
+when a schedule falls due before then. A pass reads which schedules are due by the
+database clock (one indexed read), and settles each due one in a short transaction that
+locks its ``ScheduleState`` row: the plan for the ticks that fell due
+(``durable.cron.plan``), the jobs it submits and the decisions it records commit together.
+The job for a tick is submitted under a key made of the schedule's name and the tick's
+time, so even two passes that both decided to fire the same tick (a lock bypassed, a row
+reset) make one job. No leader, no beat process.
 """
 
 import datetime
 import functools
 import logging
+import re
 import time
 
 from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
+from django.db.models import BooleanField, ExpressionWrapper, Q
 from django.db.models.functions import Now
 from django.db.utils import DatabaseError, InterfaceError
 
@@ -29,10 +32,17 @@ from .workflows import registry
 
 logger = logging.getLogger("durable.schedules")
 
-# How often one worker process looks for due ticks (monotonic seconds).
+# How often one worker process looks for due ticks at most (monotonic seconds): sooner
+# when the database says a tick falls due before then.
 CHECK_INTERVAL = 1.0
-# While ticks are queued behind a run, how often a firer looks whether it finished.
-QUEUE_RECHECK = datetime.timedelta(seconds=1)
+# While ticks wait for a run to end (queued, or held by "skip"), the schedule stays due
+# and a process looks again at most this often (seconds), so the next tick is released
+# by the first pass after the run ends (typically the worker that ran it), not a second
+# later. Such a pass reads two rows and takes no lock while the run is still going.
+WAITING_RECHECK = 0.1
+
+# What follows "schedule:<name>:" in the key of a run: its tick, or "now:" and a moment.
+_RUN_KEY = re.compile(r"(now:)?\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z")
 
 _SETTING_KEYS = {
     "WORKFLOW": "workflow", "TASK": "task", "CRON": "cron", "EVERY": "every",
@@ -130,7 +140,13 @@ class Firer:
             if specs != self._synced:
                 sync(schedules)
                 self._synced = specs
-            return fire_due(schedules)
+            fired = fire_due(schedules)
+            # Look next when the earliest schedule falls due (by the database clock),
+            # not a whole interval after this pass: a firer whose passes drift against
+            # the ticks comes late to one, then finds two due in one pass.
+            until = seconds_until_due(schedules, self.interval)
+            self._next = time.monotonic() + min(self.interval, max(WAITING_RECHECK, until))
+            return fired
         except (DatabaseError, InterfaceError):
             raise  # the worker's loop reconnects
         except Exception:  # noqa: BLE001 - a schedule's bug must not stop the worker running jobs
@@ -156,10 +172,28 @@ def sync(schedules):
 def fire_due(schedules=None):
     """Settle every schedule that is due by the database clock; returns the jobs submitted."""
     schedules = declared() if schedules is None else schedules
-    names = list(ScheduleState.objects.filter(
+    due = ScheduleState.objects.filter(
         name__in=list(schedules), due_at__lte=Now(), paused_at__isnull=True,
-    ).order_by("due_at").values_list("name", flat=True))
-    return sum(fire_one(schedules[name]) for name in names)
+    ).annotate(ticked=ExpressionWrapper(Q(next_tick__lte=Now()), output_field=BooleanField()))
+    submitted = 0
+    for name, ticked, last_job in due.order_by("due_at").values_list("name", "ticked", "last_job"):
+        # Due only to look whether the run that ticks wait for has ended: while it goes
+        # on, there is nothing to decide, and no lock to take.
+        if not ticked and _going(last_job):
+            continue
+        submitted += fire_one(schedules[name])
+    return submitted
+
+
+def seconds_until_due(schedules, horizon):
+    """Seconds until the earliest of ``schedules`` falls due (0 when one is), at most ``horizon``."""
+    soon = ScheduleState.objects.filter(
+        name__in=list(schedules), paused_at__isnull=True,
+        due_at__lte=Now() + datetime.timedelta(seconds=horizon),
+    ).annotate(now=Now()).order_by("due_at").values_list("due_at", "now").first()
+    if soon is None:
+        return horizon
+    return max(0.0, (soon[0] - soon[1]).total_seconds())
 
 
 def fire_one(schedule):
@@ -178,7 +212,8 @@ def fire_one(schedule):
             return 0  # another process settled it first
         queued = [_parse(t) for t in row.queued or []]
         decided = cron.plan(schedule, last_tick=row.last_tick, now=now,
-                            previous_going=_going(row.last_job), queued=queued)
+                            previous_going=_going(row.last_job), queued=queued,
+                            runs=_runs(schedule, row) if schedule.overlap == "skip" else None)
         submitted = 0
         for tick in decided.fire:
             job = _submit(schedule, row, tick)
@@ -197,8 +232,10 @@ def fire_one(schedule):
         row.next_tick = schedule.next_tick(max(now, row.last_tick or now))
         row.queued = [_iso(t) for t in decided.queued]
         row.due_at = row.next_tick
-        if decided.queued:
-            row.due_at = min(row.due_at or now + QUEUE_RECHECK, now + QUEUE_RECHECK)
+        if decided.queued or decided.held:
+            # Ticks wait for the run in progress: due now, so the first pass after it
+            # ends decides them (``fire_due`` passes over the row while it goes on).
+            row.due_at = now
         row.missed += decided.missed_count + len(decided.dropped)
         row.updated = Now()
         row.save(update_fields=["last_tick", "next_tick", "queued", "due_at", "missed",
@@ -268,6 +305,29 @@ def submit_run(schedule, key):
         return tasks.enqueue(tasks.load_task(schedule.task), key=key, **schedule.payload).id
     return submit(schedule.workflow, key, schedule.payload, queue=schedule.queue,
                   submitted_by=f"schedule:{schedule.name}").pk
+
+
+def _runs(schedule, row):
+    """``(started, ended)`` of the runs that may have been going at the undecided ticks.
+
+    The previous run, and every run of the schedule (ticks and runs now) that changed
+    since the last tick decided; ``ended`` is None for a run still going. Both times are
+    the database clock's, like the ticks.
+    """
+    prefix = f"schedule:{schedule.name}:"
+    found = Job.objects.filter(pk__startswith=prefix, updated__gt=row.last_tick) if row.last_tick \
+        else Job.objects.none()
+    if row.last_job:
+        found = found | Job.objects.filter(pk=row.last_job)
+    runs = []
+    for key, workflow, state, created, updated in found.values_list(
+            "pk", "workflow", "state", "created", "updated"):
+        if key != row.last_job and not _RUN_KEY.fullmatch(key[len(prefix):]):
+            continue  # a run of another schedule whose name begins with this one's and ":"
+        going = workflow in registry and registry.kind_of(workflow, state) not in (
+            StateKind.TERMINAL, StateKind.FAILED)
+        runs.append((created, None if going else updated))
+    return runs
 
 
 def _going(job_id):
@@ -346,8 +406,10 @@ def overview(now=None):
             "paused": {"at": row.paused_at, "by": row.paused_by, "reason": row.pause_reason}
             if row and row.paused_at else None,
             "seen": row is not None,
-            "late": bool(schedule and row and not row.paused_at and row.due_at
-                         and row.due_at + grace < now),
+            # By the next tick, not due_at: a row whose ticks wait for a long run stays
+            # due (looked at, not rewritten) while its firers are well.
+            "late": bool(schedule and row and not row.paused_at and row.next_tick
+                         and row.next_tick + grace < now),
             "last_decision": last_decisions.get(name),
         })
     return found

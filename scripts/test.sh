@@ -1,5 +1,6 @@
 #!/bin/sh
 # Run every check the project has, from a fresh clone with only python3 and pip:
+# the system packages some tests need (scripts/system.sh: Chromium, libfaketime),
 # ruff, Django's system checks, the migrations check, then the test suite on
 # SQLite and on PostgreSQL. Arguments are passed to pytest:
 #
@@ -10,13 +11,14 @@
 # Environment:
 #   DURABLE_TEST_POSTGRES_URL  PostgreSQL server for the second leg
 #                              (default postgres://postgres@127.0.0.1:5432/test)
-#   CI=true                    an unreachable PostgreSQL or a missing browser fails
-#                              the run instead of being skipped
+#   CI=true                    an unreachable PostgreSQL, or a system package that
+#                              could not be installed, fails the run instead of
+#                              skipping the tests that need it
 #   DURABLE_PYTHON             interpreter that creates the virtualenv (default python3)
 #   DURABLE_VENV               virtualenv directory (default .venv)
 #   DURABLE_PIP_EXTRA          extra requirements installed with the project
 #   DURABLE_TEST_LEGS          databases to test on (default "sqlite postgres")
-#   DURABLE_SKIP_BROWSER=1     leave out browser tests on every leg
+#   DURABLE_SKIP_BROWSER=1     leave out browser tests on every leg (and Chromium)
 #   DURABLE_TEST_PROCESSES     parallel pytest processes (default 4; 1 runs serially)
 #
 # Every step runs even if an earlier one failed, so one run shows every problem;
@@ -48,6 +50,19 @@ fail() {
 
 . scripts/venv.sh
 "$PYTHON" -c 'import django, sys; print(f"Python {sys.version.split()[0]}, Django {django.__version__}")'
+
+# System packages: installed when missing and possible (root, apt-get). Otherwise the
+# tests that need one say how to get it and are skipped, or fail with CI=true.
+
+tools="faketime"
+if [ "$SKIP_BROWSER" != 1 ]; then
+    tools="chromium $tools"
+fi
+heading "system packages: $tools"
+# shellcheck disable=SC2086  # one word per tool
+if ! sh scripts/system.sh $tools && [ "$CI" = true ]; then
+    fail "system packages"
+fi
 
 # Static checks
 

@@ -6,27 +6,17 @@ Tests that use them are marked ``browser`` (added automatically if forgotten), s
 
 The browser is the system's Chromium (Debian package ``chromium``), never one
 downloaded by Playwright: the tests must run offline and on the browser the
-machine actually has. If it is missing, it is installed with apt-get when
-possible, once: pytest-xdist's processes take turns under a file lock, so the
-first installs and the others find it installed (apt-get also waits for a dpkg
-lock held by anything else). Otherwise browser tests are skipped, except on CI
-(``CI=true``) where a missing browser is a failure, not a reason to go green.
+machine actually has. ``sh scripts/test.sh`` installs it first when it is missing
+and it can (``scripts/system.sh``). Without it, browser tests are skipped saying
+how to get it, except on CI (``CI=true``) where a missing browser is a failure,
+not a reason to go green.
 """
 
 import os
-import shutil
-import subprocess
-import tempfile
 
 import pytest
 
 CHROMIUM = "/usr/bin/chromium"
-
-# Held while one test process checks for and installs Chromium.
-INSTALL_LOCK = os.path.join(tempfile.gettempdir(), "durable-chromium-install.lock")
-
-# apt-get waits this long for the dpkg lock instead of failing at once.
-DPKG_LOCK_WAIT = 600
 
 CHROMIUM_ARGS = [
     # Containers and CI runners usually lack the namespaces the sandbox needs.
@@ -82,56 +72,12 @@ def _give_up(reason):
     pytest.skip(reason)
 
 
-def _apt_get(*args):
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    return subprocess.run(
-        ["apt-get", "-o", f"DPkg::Lock::Timeout={DPKG_LOCK_WAIT}", *args], env=env,
-        capture_output=True, text=True, timeout=DPKG_LOCK_WAIT + 900, check=False
-    )
-
-
-def _install_chromium():
-    """Install Debian's chromium package; return None, or why it could not be done."""
-    if shutil.which("apt-get") is None:
-        return "apt-get is not available"
-    if os.geteuid() != 0:
-        return "installing it needs root"
-    import fcntl  # apt-get means a Unix
-
-    with open(INSTALL_LOCK, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if os.access(CHROMIUM, os.X_OK):
-                return None  # another test process installed it while this one waited
-            return _apt_install_chromium()
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def _apt_install_chromium():
-    result = _apt_get("install", "-y", "chromium")
-    if result.returncode != 0:
-        # A fresh container has no package lists yet; refresh them once and retry.
-        _apt_get("update")
-        result = _apt_get("install", "-y", "chromium")
-    if result.returncode != 0:
-        tail = (result.stderr or result.stdout).strip().splitlines()[-3:]
-        return "apt-get install chromium failed: " + " / ".join(tail)
-    return None
-
-
 def chromium_executable():
-    """Return the path of the system Chromium, installing it if needed and possible."""
-    if os.access(CHROMIUM, os.X_OK):
-        return CHROMIUM
-    problem = _install_chromium()
-    if problem is None and os.access(CHROMIUM, os.X_OK):
-        return CHROMIUM
-    _give_up(
-        f"Chromium is not installed at {CHROMIUM} and could not be installed "
-        f"({problem or 'the package did not provide it'}). "
-        "Install it with: apt-get install chromium"
-    )
+    """Return the path of the system Chromium, or skip (fail on CI) saying how to get it."""
+    if not os.access(CHROMIUM, os.X_OK):
+        _give_up(f"Chromium is not installed at {CHROMIUM}: run `sh scripts/system.sh` as root,"
+                 " or `apt-get install chromium`")
+    return CHROMIUM
 
 
 @pytest.fixture(scope="session")

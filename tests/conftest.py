@@ -42,6 +42,26 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def missing_tool(what, package):
+    """Skip the calling test for want of a system tool, saying how to get it; fail on CI.
+
+    ``sh scripts/test.sh`` installs the tools first (``scripts/system.sh``) when it can.
+    """
+    message = (f"{what} is not installed: run `sh scripts/system.sh` as root,"
+               f" or `apt-get install {package}`")
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{message} (CI=true: the tests that need it must run)", pytrace=False)
+    pytest.skip(message)
+
+
+@pytest.fixture
+def libfaketime():
+    """The path of libfaketime, which moves a worker process's wall clock (clock-skew drills)."""
+    from tests.drills.drills import faketime_library
+
+    return faketime_library() or missing_tool("libfaketime", "faketime")
+
+
 def worker_env(**extra):
     """Environment for a runworkers subprocess pointed at this test database."""
     env = dict(os.environ)

@@ -206,31 +206,11 @@ def test_latest_after_downtime_with_no_on_time_tick_runs_the_latest_late_one():
     assert p.fire == [utc(2026, 6, 1, 12)] and p.caught_up == p.fire and p.missed_count == 3
 
 
-def test_a_run_still_going_skips_the_tick_or_queues_it():
-    s = bound(every=60, overlap="skip")
-    p = cron.plan(s, last_tick=NOW - datetime.timedelta(seconds=60), now=NOW, previous_going=True)
-    assert p.fire == [] and p.skipped == [NOW]
-    q = bound(every=60, overlap="queue", max_catch_up=2)
-    p = cron.plan(q, last_tick=NOW - datetime.timedelta(seconds=60), now=NOW, previous_going=True)
-    assert p.fire == [] and p.queued == [NOW] and p.newly_queued == [NOW]
-    later = NOW + datetime.timedelta(minutes=2)
-    p = cron.plan(q, last_tick=NOW, now=later, previous_going=True, queued=p.queued)
-    assert p.queued == [later - datetime.timedelta(minutes=1), later] and p.dropped == [NOW]
-    p = cron.plan(q, last_tick=later, now=later + datetime.timedelta(seconds=5), previous_going=False,
-                  queued=p.queued)
-    assert p.fire == [later - datetime.timedelta(minutes=1)] and p.queued == [later]
-
-
-def test_allow_runs_each_tick_even_while_a_run_is_going():
-    s = bound(every=1, overlap="allow")
-    p = cron.plan(s, last_tick=NOW - datetime.timedelta(seconds=3), now=NOW, previous_going=True)
-    assert len(p.fire) == 3 and not p.skipped
-
-
 def test_a_long_outage_of_a_frequent_schedule_is_counted_as_a_lower_bound():
     s = bound(every=1, grace=2)
     p = cron.plan(s, last_tick=NOW - datetime.timedelta(days=2), now=NOW, previous_going=False)
-    assert p.fire == [NOW - datetime.timedelta(seconds=1)] or p.fire == [NOW]
+    # The first on-time tick runs; the others wait for it, as nothing ran at their time.
+    assert p.fire == [NOW - datetime.timedelta(seconds=2)] and p.held
     assert p.at_least and p.missed_count >= cron.SCAN_LIMIT
 
 
@@ -266,6 +246,17 @@ def test_a_new_schedule_starts_at_its_next_tick_not_in_the_past(every_second):
     assert row.spec == "every 1s" and row.target == "recorded"
     assert row.next_tick > row.last_tick and row.due_at == row.next_tick
     assert schedules.fire_due(every_second) == 0 or Job.objects.count() <= 1
+
+
+def test_a_firer_looks_again_when_the_next_schedule_falls_due(every_second):
+    """Not a whole interval after its last pass: passes that drift come late to a tick."""
+    until = schedules.seconds_until_due(every_second, 1.0)
+    assert 0 <= until <= 1.0
+    now = locking.db_now()
+    ScheduleState.objects.update(due_at=now + datetime.timedelta(seconds=30))
+    assert schedules.seconds_until_due(every_second, 1.0) == 1.0  # nothing within the horizon
+    ScheduleState.objects.update(due_at=now - datetime.timedelta(seconds=1))
+    assert schedules.seconds_until_due(every_second, 1.0) == 0
 
 
 def test_two_firers_of_one_tick_make_one_job(every_second):
@@ -325,23 +316,6 @@ def test_a_changed_expression_restarts_the_schedule_and_says_so(every_second):
     assert event.data == {"from": "every 1s", "to": "every 60s"}
 
 
-def test_overlap_skip_records_the_skipped_ticks_against_the_run_in_progress(db):
-    config = {"probe": {**EVERY_SECOND["probe"], "OVERLAP": "skip"}}
-    with override_settings(DURABLE={"SCHEDULES": config}):
-        declared = schedules.declared()
-        schedules.sync(declared)
-        rewind("probe", 2.5)
-        assert schedules.fire_one(declared["probe"]) == 1  # the latest; the others skipped
-        running = ScheduleState.objects.get(pk="probe").last_job
-        ScheduleEvent.objects.all().delete()
-        since = rewind("probe", 2.5)  # the job has not run: it is still going
-        assert schedules.fire_one(declared["probe"]) == 0
-        ticks = decided_ticks(declared["probe"], since)
-    skipped = ScheduleEvent.objects.get(kind=ScheduleEventKind.SKIPPED)
-    assert skipped.job == running and skipped.data["count"] == len(ticks) >= 2
-    assert Job.objects.count() == 1
-
-
 # Operator verbs -------------------------------------------------------------------------
 
 
@@ -394,10 +368,17 @@ def test_the_cli_prints_each_schedule_in_words_with_its_next_and_last_run(every_
     call_command("durable", "schedules")
     out = capsys.readouterr().out
     assert "probe" in out and "Every second" in out and "recorded" in out
-    assert "schedule:probe:" in out
+    assert "schedule:probe:" in out and "(still running, in state pending)" in out
+    last = ScheduleState.objects.get(pk="probe").last_job
+    Job.objects.filter(pk=last).update(state="c_done")
+    call_command("durable", "schedules")
+    assert f"{last} (succeeded, in state c_done)" in capsys.readouterr().out
+    Job.objects.filter(pk=last).update(workflow="django_task", state="succeeded")
+    call_command("durable", "schedules")
+    assert f"{last} (succeeded)\n" in capsys.readouterr().out  # not "succeeded: succeeded"
     call_command("durable", "schedules", "--json")
     data = json.loads(capsys.readouterr().out)
-    assert data[0]["name"] == "probe" and data[0]["last_run"]["state"] == "pending"
+    assert data[0]["name"] == "probe" and data[0]["last_run"]["state"] == "succeeded"
 
 
 def test_the_cli_pauses_resumes_and_runs_now(every_second, capsys):
@@ -456,35 +437,6 @@ def test_a_scheduled_job_can_read_its_tick_from_its_key():
     assert cron.tick_of("schedule:a:b:2026-03-29T01:00:00Z") == utc(2026, 3, 29, 1, 0)
     assert cron.tick_of("schedule:probe:now:2026-03-29T01:00:00.123456Z") is None
     assert cron.tick_of("doc-123") is None
-
-
-def test_overlap_queue_holds_ticks_until_the_run_in_progress_finishes(db):
-    config = {"probe": {**EVERY_SECOND["probe"], "OVERLAP": "queue", "MAX_CATCH_UP": 2,
-                        "GRACE": 30}}
-    with override_settings(DURABLE={"SCHEDULES": config}):
-        probe = schedules.declared()["probe"]
-        schedules.sync({"probe": probe})
-        since = rewind("probe", 5.5)
-        assert schedules.fire_one(probe) == 1  # one run at a time: the first tick runs
-        ticks = decided_ticks(probe, since)
-        row = ScheduleState.objects.get(pk="probe")
-        running = row.last_job
-        assert running == probe.job_key(ticks[0])
-        # The others wait, at most two; the oldest beyond that are dropped, and said so.
-        assert [cron.tick_of(probe.job_key(t)) for t in ticks[-2:]] == \
-            [schedules._parse(t).replace(microsecond=0) for t in row.queued]
-        dropped = ScheduleEvent.objects.filter(kind=ScheduleEventKind.DROPPED).first()
-        assert len(dropped.data["ticks"]) == len(ticks) - 3 and row.missed == len(ticks) - 3
-        assert ScheduleEvent.objects.filter(kind=ScheduleEventKind.QUEUED).first().job == running
-        # No new tick falls due in the passes below (as if they ran within the same second).
-        later = locking.db_now() + datetime.timedelta(seconds=30)
-        Job.objects.filter(pk=running).update(state="a_done")  # still going: between steps
-        ScheduleState.objects.filter(pk="probe").update(due_at=locking.db_now(), last_tick=later)
-        assert schedules.fire_one(probe) == 0
-        Job.objects.filter(pk=running).update(state="c_done")  # finished
-        ScheduleState.objects.filter(pk="probe").update(due_at=locking.db_now(), last_tick=later)
-        assert schedules.fire_one(probe) == 1
-    assert ScheduleState.objects.get(pk="probe").last_job == probe.job_key(ticks[-2])
 
 
 def test_purge_deletes_old_schedule_decisions_and_keeps_recent_ones(every_second):

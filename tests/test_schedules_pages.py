@@ -92,6 +92,7 @@ def test_an_unknown_verb_or_schedule_is_refused(client):
 def test_the_dashboard_links_a_schedule_alert_to_the_page(client):
     client.force_login(make_user("viewer", "view_job"))
     now = locking.db_now()
-    ScheduleState.objects.filter(pk="beat").update(due_at=now - datetime.timedelta(minutes=5))
+    ScheduleState.objects.filter(pk="beat").update(due_at=now - datetime.timedelta(minutes=5),
+                                                   next_tick=now - datetime.timedelta(minutes=5))
     body = client.get("/admin/durable/dashboard/").content.decode()
     assert "not fired when due" in body and f'href="{URL}"' in body

@@ -5,6 +5,7 @@ until every job is settled (the quiet period), and the counts are taken from the
 database, the executions log and the receiver.
 """
 
+import glob
 import json
 import re
 import shutil
@@ -383,22 +384,19 @@ def postgres_restart(lab, size):
 
 # 6. Clock skew ------------------------------------------------------------------------
 
-LIBFAKETIME = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1"
-
-
 def faketime_library():
-    for path in (LIBFAKETIME, "/usr/lib/faketime/libfaketimeMT.so.1",
-                 "/usr/lib/aarch64-linux-gnu/faketime/libfaketimeMT.so.1"):
-        if Path(path).exists():
-            return path
-    return None
+    """Debian's libfaketime (package faketime), where ``scripts/system.sh`` looks for it too."""
+    found = sorted(glob.glob("/usr/lib/*/faketime/libfaketimeMT.so.1")) + sorted(
+        glob.glob("/usr/lib/faketime/libfaketimeMT.so.1"))
+    return found[0] if found else None
 
 
 def skewed_env(offset):
     """Environment that shifts a process's wall clock by ``offset`` ("+1h", "-1h")."""
     library = faketime_library()
     if library is None:
-        raise RuntimeError("libfaketime is not installed (apt-get install faketime)")
+        raise RuntimeError("libfaketime is not installed: run `sh scripts/system.sh` as root,"
+                           " or `apt-get install faketime`")
     # Monotonic time stays real: only the wall clock is wrong, as on a badly synced host.
     return {"LD_PRELOAD": library, "FAKETIME": offset, "FAKETIME_DONT_FAKE_MONOTONIC": "1",
             "FAKETIME_NO_CACHE": "1"}

@@ -62,7 +62,8 @@ def plan(size, database, only, restart):
                 steps.append(("skew", lambda lab: [d.clock_skew(lab, size)]))
                 steps.append(("skew-approvals", lambda lab: [d.clock_skew_approvals(lab, size)]))
             else:
-                steps.append(("skew", "libfaketime is not installed (apt-get install faketime)"))
+                steps.append(("skew", "libfaketime is not installed"
+                                      " (sh scripts/system.sh, or apt-get install faketime)"))
         if "partition" in only:
             from . import netlab
 

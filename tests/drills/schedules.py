@@ -1,17 +1,25 @@
 """Schedule drills: real ``runworkers`` processes fire every-second schedules.
 
-1. Four runworkers processes (one worker each, as on four machines) fire two schedules
-   every second: one job per tick, none missing, none twice.
+1. Four runworkers processes (one worker each, as on four machines) fire four schedules
+   every second: one job per tick, none missing, none twice. Two allow runs side by
+   side; one skips a tick while a run is going, one queues it ("skip", "queue").
 2. Then every worker is SIGKILLed for ten seconds and restarted: the ticks of the outage
    are settled by each schedule's catch-up policy ("latest" runs only the on-time ticks
    and records the rest as missed; "all" runs every one of them) and recorded as events.
+   The queued schedule's backlog (every tick of the outage) drains: a queued tick is
+   released when the run ahead of it ends, not one per pass.
+
+For "skip" and "queue", every tick recorded skipped had a run of its schedule going at
+the tick's own time, and no two runs of one schedule overlapped.
 3. (PostgreSQL) One worker's wall clock is an hour ahead (libfaketime): the database
    clock decides, so it fires no tick early and no tick's job is dated before its tick.
 
 The small size runs the steady phase for 10 s (CI); the release size for 60 s.
 """
 
+import concurrent.futures
 import datetime
+import itertools
 import json
 import re
 import time
@@ -26,17 +34,26 @@ from .counts import count
 
 STEADY_SECONDS = {"small": 10, "release": 60}
 OUTAGE_SECONDS = 10
-AFTER_SECONDS = 6
+AFTER_SECONDS = 5
+# Waiting beyond AFTER_SECONDS for the queued schedule's backlog to drain, at most.
+DRAIN_TIMEOUT = 30
 GRACE = 4
 FIRED = re.compile(r"durable\.schedules schedule (\S+) fired tick \S+: job (\S+)")
+# Steady and outage: (catch-up, overlap, seconds each of a run's four steps sleeps). The
+# skipping schedule's runs last about 1.2 s, so about every other tick finds one going.
+POLICIES = {"tick-latest": ("latest", "allow", 0), "tick-all": ("all", "allow", 0),
+            "tick-skip": ("latest", "skip", 0.3), "tick-queue": ("all", "queue", 0)}
 
 
 def _config(lab, **policies):
-    return {
-        name: {"WORKFLOW": "drill", "EVERY": 1, "GRACE": GRACE, "OVERLAP": "allow",
-               "CATCH_UP": catch_up, "MAX_CATCH_UP": 30, "PAYLOAD": {"log": str(lab.exec_log)}}
-        for name, catch_up in policies.items()
-    }
+    """Every-second schedules of the drill workflow: ``name=catch_up`` or ``name=POLICIES[...]``."""
+    config = {}
+    for name, policy in policies.items():
+        catch_up, overlap, work = (policy, "allow", 0) if isinstance(policy, str) else policy
+        config[name] = {"WORKFLOW": "drill", "EVERY": 1, "GRACE": GRACE, "OVERLAP": overlap,
+                        "CATCH_UP": catch_up, "MAX_CATCH_UP": 30,
+                        "PAYLOAD": {"log": str(lab.exec_log), **({"work": work} if work else {})}}
+    return config
 
 
 def _start(lab, config, count=4, env=None):
@@ -91,7 +108,7 @@ def _ticks_and_jobs(declared, name, since):
 def steady_and_outage(lab, size):
     """Phases 1 and 2; returns one Counts row with the schedule figures in ``extra``."""
     began = time.monotonic()
-    config = _config(lab, **{"tick-latest": "latest", "tick-all": "all"})
+    config = _config(lab, **POLICIES)
     declared = _declared(config)
     procs = _start(lab, config)
     firers = list(procs)
@@ -105,13 +122,17 @@ def steady_and_outage(lab, size):
     killed_at = {n: ScheduleState.objects.get(pk=n).last_tick for n in config}
     time.sleep(OUTAGE_SECONDS)
     procs = _start(lab, config)
+    restarted = time.monotonic()
     firers += procs
     time.sleep(AFTER_SECONDS)
-    for proc in procs:
-        lab.stop(proc)
+    drained = _wait_drained("tick-queue", restarted)
+    # Drained side by side: each may finish a run of the skipping schedule first.
+    with concurrent.futures.ThreadPoolExecutor(len(procs)) as pool:
+        list(pool.map(lab.stop, procs))
 
     extra, notes = {"steady_seconds": STEADY_SECONDS[size.name], "outage_seconds": OUTAGE_SECONDS,
-                    "missed_events_while_up": steady_missed}, []
+                    "missed_events_while_up": steady_missed,
+                    "queue_drained_seconds_after_restart": drained}, []
     fired = _fired_by(firers)
     for name in config:
         schedule, row, expected, jobs = _ticks_and_jobs(declared, name, since[name])
@@ -124,6 +145,7 @@ def steady_and_outage(lab, size):
             missed_ticks |= {t for t in expected if first <= t <= last}
         outage = schedule.ticks(killed_at[name], row.last_tick, limit=10**6)
         keys = {schedule.job_key(t) for t in expected}
+        skipped = _skipped_ticks(name)
         extra[name] = {
             "ticks": len(expected), "jobs": len(jobs), "steady_ticks": len(steady),
             "steady_jobs": len(jobs & {schedule.job_key(t) for t in steady}),
@@ -134,13 +156,29 @@ def steady_and_outage(lab, size):
             "not_a_tick": len(jobs - keys),
             "fired_twice": sum(1 for n in _fired_per_tick(name).values() if n > 1),
             "firing_processes": len({pid for k in jobs for pid in fired.get(k, [])}),
+            "skipped": len(skipped), "queued_at_end": len(row.queued or []),
+            "most_waiting": max((e.data["waiting"] for e in ScheduleEvent.objects.filter(
+                schedule_id=name, kind=ScheduleEventKind.QUEUED)), default=0),
+            "dropped": sum(len(e.data["ticks"]) for e in ScheduleEvent.objects.filter(
+                schedule_id=name, kind=ScheduleEventKind.DROPPED)),
         }
-        want = keys - {schedule.job_key(t) for t in missed_ticks}
+        # Ticks still queued when the workers stopped wait for the next worker.
+        waiting = {schedules._parse(t) for t in row.queued or []}
+        want = keys - {schedule.job_key(t) for t in missed_ticks | skipped | waiting}
         extra[name]["missing"] = len(want - jobs)
         if want - jobs:
             notes.append(f"{name}: {len(want - jobs)} ticks without a job, e.g. {sorted(want - jobs)[:3]}")
         lab.submitted.extend(sorted(jobs))
     lab.settle(size.settle_timeout)
+    for name in ("tick-skip", "tick-queue"):
+        # Read once every run has ended (a run SIGKILLed in the outage was going until
+        # its lease passed and another worker finished it).
+        runs = _runs(name)
+        extra[name]["skipped_while_nothing_ran"] = sorted(
+            t.isoformat() for t in _skipped_ticks(name)
+            if not any(start <= t < end for start, end in runs))
+        extra[name]["overlapping_runs"] = sum(
+            1 for (_, end), (start, _) in itertools.pairwise(runs) if start < end)
     row = count(lab, "schedules: 4 firers, outage", began=began, extra=extra)
     row.notes.extend(notes)
     return row
@@ -177,6 +215,31 @@ def skewed_firer(lab, size, skewed_env):
         "missed": ScheduleEvent.objects.filter(kind=ScheduleEventKind.MISSED).count(),
     })
     return row
+
+
+def _wait_drained(name, since):
+    """Seconds from ``since`` until schedule ``name`` has no tick queued (None: it never drained)."""
+    deadline = time.monotonic() + DRAIN_TIMEOUT
+    while time.monotonic() < deadline:
+        if not ScheduleState.objects.get(pk=name).queued:
+            return round(time.monotonic() - since, 1)
+        time.sleep(0.2)
+    return None
+
+
+def _skipped_ticks(name):
+    """Every tick of schedule ``name`` recorded skipped (each event lists its ticks)."""
+    found = set()
+    for event in ScheduleEvent.objects.filter(schedule_id=name, kind=ScheduleEventKind.SKIPPED):
+        assert event.data["count"] == len(event.data["ticks"]), event.data  # all listed
+        found |= {datetime.datetime.fromisoformat(t) for t in event.data["ticks"]}
+    return found
+
+
+def _runs(name):
+    """``(started, ended)`` of every run of schedule ``name``, by start, once all have ended."""
+    return sorted(Job.objects.filter(pk__startswith=f"schedule:{name}:").values_list(
+        "created", "updated"))
 
 
 def _tick_of(name, key):
