@@ -203,7 +203,15 @@ class _Server(ThreadingHTTPServer):
 
 
 class FakeModelServer:
-    """A chat-completions server on 127.0.0.1 that answers from a script."""
+    """A chat-completions server on 127.0.0.1 that answers from a script.
+
+    ``FakeModelServer(script, port=0, model="fake-model")``: ``port`` 0 picks a free one;
+    ``model`` is the name a reply carries when neither the script nor the request names
+    one. ``start()`` serves from threads of this process (``stop()``, or a ``with`` block);
+    ``url`` is then the base URL an OpenAI client is given. Workers are other
+    processes: to serve them, run the server in a process of its own that outlives them
+    (a script that starts it and waits), not inside ``manage.py shell``.
+    """
 
     def __init__(self, script=(), *, port=0, model=DEFAULT_MODEL):
         self.script = script if callable(script) else list(script)

@@ -144,7 +144,7 @@ class SDKAdapter:
             self._sdk = importlib.import_module(self.sdk)
         except ImportError as exc:  # optional extra: say how to get it
             raise ImportError(f"{type(self).__name__} needs the {self.sdk} package: "
-                              f"pip install 'django-durable[{self.sdk}]'") from exc
+                              f"pip install 'django-durable-workflows[{self.sdk}]'") from exc
         self.model = model
         self.prices = prices
         self.defaults = defaults

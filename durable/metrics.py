@@ -9,7 +9,7 @@ Every number comes from the tables, so any web process answers for every worker
 on every machine, and no multiprocess collector is needed. Scrapers authenticate
 with ``Authorization: Bearer <DURABLE["METRICS_TOKEN"]>``; without a token, only a
 logged-in staff user with ``durable.view_job`` may read the page. Needs the
-``prometheus-client`` package: ``pip install 'django-durable[metrics]'``.
+``prometheus-client`` package: ``pip install 'django-durable-workflows[metrics]'``.
 """
 
 import datetime
@@ -188,6 +188,6 @@ def metrics_view(request):
         import prometheus_client  # noqa: F401 - an optional extra
     except ImportError:
         return HttpResponse("prometheus-client is not installed: pip install "
-                            "'django-durable[metrics]'\n", status=501, content_type="text/plain")
+                            "'django-durable-workflows[metrics]'\n", status=501, content_type="text/plain")
     body, content_type = render()
     return HttpResponse(body, content_type=content_type)

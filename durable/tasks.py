@@ -520,7 +520,7 @@ else:
         def __init__(self, *args, **kwargs):
             raise ImproperlyConfigured(
                 "durable.tasks.DurableBackend needs Django 6's django.tasks, or on Django 5.2"
-                " the django-tasks backport: pip install 'django-durable[tasks]'"
+                " the django-tasks backport: pip install 'django-durable-workflows[tasks]'"
             )
 
     DurableTask = None

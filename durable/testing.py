@@ -137,6 +137,17 @@ def main(argv=None):
     parser = argparse.ArgumentParser(
         prog="python -m durable.testing",
         description="Run a stand-in remote system that records each action it applies.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=(
+            "The first line printed is its URL; Ctrl-C or SIGTERM stops it. Point a destination\n"
+            "at it in settings (the port here is --port 8002):\n\n"
+            '    DURABLE["DESTINATIONS"]["payments"] = {\n'
+            '        "URL": "http://127.0.0.1:8002/actions",\n'
+            '        "LOOKUP_URL": "http://127.0.0.1:8002/actions/lookup?key={key}",\n'
+            '        "IDEMPOTENT": True,\n'
+            '        "TIMEOUT": (3.05, 10),\n'
+            "    }\n"
+        ),
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")

@@ -5,6 +5,12 @@ sample may use what an earlier one defined, and a task defined in a sample can b
 imported by its path). A settings snippet runs against a copy of the real settings.
 A block preceded by the line ``<!-- docs-test: skip -->`` is not run: use it, sparingly,
 for a sample that cannot run here, and say why in the text.
+
+The README's samples also build a whole site in ``tests/test_readme_site.py``: a block
+marked ``<!-- readme-site: TARGET -->`` goes to that site. Those whose target is its
+``settings.py`` or a module of its app (``myapp/...``) run here as well; the others (code
+run in the site's shell, its ``urls.py``, a server run as a process of its own) run there
+only.
 """
 
 import copy
@@ -24,6 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```python[ \t]*\n(?P<code>.*?)^```[ \t]*$", re.M | re.S)
 SKIP = "<!-- docs-test: skip -->"
+SITE = re.compile(r"<!-- readme-site: (?P<target>.+?) -->")
+HERE_TOO = re.compile(r"settings\.py|myapp/\w+\.py")
 
 
 @dataclass
@@ -32,6 +40,7 @@ class Sample:
     line: int
     code: str
     skip: bool
+    site: str = ""  # the README site's target for this block, if it has one
 
     @property
     def name(self):
@@ -43,14 +52,26 @@ def samples(path):
     text = path.read_text(encoding="utf-8")
     found = []
     for match in FENCE.finditer(text):
-        before = text[: match.start()].rstrip().splitlines()
+        notes = comments_above(text, match.start())
+        site = next((m["target"] for note in notes if (m := SITE.fullmatch(note))), "")
         found.append(Sample(
             path=path,
             line=text.count("\n", 0, match.start()) + 1,
             code=match["code"],
-            skip=bool(before) and before[-1].strip() == SKIP,
+            skip=SKIP in notes or bool(site) and not HERE_TOO.fullmatch(site),
+            site=site,
         ))
     return found
+
+
+def comments_above(text, start):
+    """The HTML comment lines right above a fence (nearest last)."""
+    notes = []
+    for line in reversed(text[:start].rstrip().splitlines()):
+        if not (line.startswith("<!--") and line.rstrip().endswith("-->")):
+            break
+        notes.insert(0, line.strip())
+    return notes
 
 
 ALL = [s for path in FILES if path.exists() for s in samples(path)]
@@ -84,6 +105,8 @@ def test_the_docs_have_samples_to_run():
 @pytest.mark.django_db
 @pytest.mark.parametrize("sample", ALL, ids=[s.name for s in ALL])
 def test_every_python_sample_in_the_docs_runs(sample, capsys):
+    if sample.skip and sample.site:
+        pytest.skip(f"{sample.name} runs in the README's site (tests/test_readme_site.py)")
     if sample.skip:
         pytest.skip(f"{sample.name} is marked {SKIP}")
     module = module_for(sample.path)

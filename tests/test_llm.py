@@ -206,7 +206,7 @@ def test_durable_imports_without_the_openai_package():
             "import durable.llm, durable.testing\n"
             "try:\n    durable.llm.OpenAIChat('m')\nexcept ImportError as exc:\n    print(exc)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert "pip install 'django-durable[openai]'" in out
+    assert "pip install 'django-durable-workflows[openai]'" in out
 
 
 # The Anthropic adapter: the same conversation, the same reply type, the Messages wire format.

@@ -88,7 +88,7 @@ def test_without_prometheus_client_the_view_says_which_extra_to_install(scrape, 
     monkeypatch.setitem(sys.modules, "prometheus_client", None)
     response = scrape()
     assert response.status_code == 501
-    assert b"django-durable[metrics]" in response.content
+    assert b"django-durable-workflows[metrics]" in response.content
 
 
 # What it says --------------------------------------------------------------------------
