@@ -49,22 +49,33 @@ class StuckFilter(_YesFilter):
         return queryset.stuck()
 
 
-class FailedFilter(_YesFilter):
-    title = "failed"
-    parameter_name = "failed"
-    label = "in a failed state"
+class KindFilter(admin.SimpleListFilter):
+    """Jobs by what they wait for, across workflows: each state's kind in its own table.
 
-    def matching(self, queryset):
-        return queryset.filter(reports.failed_q())
+    The dashboard's counters link here. ``failed=yes`` and ``human=yes`` (the addresses
+    of older links and bookmarks) are read as ``kind=failed`` and ``kind=person``.
+    """
 
+    title = "kind (what it waits for)"
+    parameter_name = "kind"
+    ALIASES = {"failed": "failed", "human": "person"}
 
-class HumanFilter(_YesFilter):
-    title = "waiting for a human"
-    parameter_name = "human"
-    label = "needs a human or an approval"
+    def __init__(self, request, params, model, model_admin):
+        for alias, kind in self.ALIASES.items():
+            value = params.pop(alias, None)
+            if value and value[-1] == "yes" and self.parameter_name not in params:
+                params[self.parameter_name] = [kind]
+        super().__init__(request, params, model, model_admin)
 
-    def matching(self, queryset):
-        return queryset.filter(reports.waiting_for_human_q())
+    def expected_parameters(self):
+        return [self.parameter_name, *self.ALIASES]
+
+    def lookups(self, request, model_admin):
+        return [(key, kind.label) for key, kind in views.JOB_KINDS.items()]
+
+    def queryset(self, request, queryset):
+        kind = views.JOB_KINDS.get(self.value() or "")
+        return queryset.filter(kind.q()) if kind else queryset
 
 
 class ParentFilter(admin.SimpleListFilter):
@@ -237,8 +248,8 @@ class JobAdmin(ReadOnlyAdmin):
     list_display = ["id", "workflow", "state_display", "in_state_for", "attempts_col", "lease",
                     "last_error_short", "cost_so_far"]
     list_display_links = ["id"]
-    list_filter = [WorkflowFilter, StateFilter, StuckFilter, FailedFilter, HumanFilter,
-                   ParentFilter, FailureGroupFilter]
+    list_filter = [KindFilter, WorkflowFilter, StateFilter, StuckFilter, ParentFilter,
+                   FailureGroupFilter]
     search_fields = ["id"]
     search_help_text = "Search by key: the whole key, or its beginning."
     ordering = ["-updated"]
@@ -446,13 +457,44 @@ def install_console(site):
     if getattr(site, "_durable_console", False):
         return site
     original = site.get_urls
+    original_app_list = site.get_app_list
 
     def get_urls():
         return views.console_urls(site) + original()
 
+    def get_app_list(request, app_label=None):
+        return with_console_pages(site, request, original_app_list(request, app_label))
+
     site.get_urls = get_urls
+    site.get_app_list = get_app_list
     site._durable_console = True
     return site
+
+
+# The admin's own list of approval rows, named apart from the console's approval queue.
+APPROVAL_RECORDS = "Approval records"
+
+
+def with_console_pages(site, request, app_list):
+    """The admin's app list with the console's pages first in durable's section.
+
+    So the admin index, its sidebar and ``/admin/durable/`` all lead to the dashboard,
+    reconciliation, the approval queue and the rest, not only the app's own page. The
+    model list of approvals is renamed so two pages are not both called "Approvals".
+    """
+    for app in app_list:
+        if app.get("app_label") != Job._meta.app_label:
+            continue
+        for model in app["models"]:
+            if model.get("model") is Approval:
+                model["name"] = APPROVAL_RECORDS
+        if not request.user.has_perm("durable.view_job"):
+            continue
+        pages = [{"name": label, "object_name": f"console-{key}", "admin_url": url,
+                  "view_only": True, "perms": {"view": True}, "add_url": None}
+                 for key, label, url in views.console_nav(site) if url and key != "jobs"]
+        app["models"] = pages + app["models"]
+    return app_list
 
 
 install_console(admin.site)

@@ -10,8 +10,11 @@ and the model reads the result (the outbox's side of that is ``durable.agent_out
 A tool that needs approval proposes first. Every proposal of one turn is written in
 one transaction and the job waits in ``awaiting_approval`` until each is decided. An
 approval is bound to the hash of exactly what will be sent (``Approval.step`` is the
-tool call's key); a rejection comes back to the model as the tool's result, with the
-note, unless the tool says ``on_reject="cancel"``.
+tool call's key); a rejection comes back to the model as the tool's result (the
+decider's message to the model, never their internal note), unless the tool says
+``on_reject="cancel"``. A person may approve a call with other arguments
+(``approve_edited``): that is a new proposal with its own hash, approved by them, and
+the run sends it in place of the model's.
 """
 
 import datetime
@@ -23,8 +26,18 @@ from decimal import Decimal, InvalidOperation
 from django.db import transaction
 from django.db.models.functions import Now
 
-from . import audit, locking
-from .agent_outbox import latest_approval, turn_of
+from . import approvals, audit, locking
+from .agent_outbox import (
+    OutsideRun,
+    argument_changes,
+    arguments_of,
+    latest_approval,
+    read_sources,
+    sources_version,
+    stored,
+    tool_call_of,
+    turn_of,
+)
 from .agents import (
     AWAITING_APPROVAL,
     IN_FLIGHT,
@@ -38,16 +51,18 @@ from .agents import (
 )
 from .approvals import close
 from .conf import durable_settings
-from .exceptions import DecisionForbidden, LeaseLost, OperatorError
-from .identity import action_identity, make_proposal, proposal_hash
+from .exceptions import DecisionForbidden, DecisionRefused, LeaseLost, OperatorError
+from .identity import action_identity, canonical_json, make_proposal, proposal_hash
 from .models import (
     Approval,
     ApprovalStatus,
     EventKind,
     Job,
+    JobEvent,
     MemoKind,
     Outbox,
     OutboxStatus,
+    StepResult,
 )
 from .outbox import validate, write_row
 from .states import CANCELLED
@@ -80,9 +95,25 @@ class _Planned:
     digest: str
     summary: str
     input_version: str
+    arguments: dict
+    sources: list
+
+
+# An approval in these states still stands for what its call was prepared from.
+_STANDING = (ApprovalStatus.REQUESTED, ApprovalStatus.APPROVED, ApprovalStatus.REJECTED)
+
+
+def _summary(tool, action, arguments):
+    order = list(tool.parameters.get("properties", {}))
+    said = ", ".join(f"{k} = {arguments[k]}" for k in sorted(
+        arguments, key=lambda k: order.index(k) if k in order else len(order)))
+    return (action.summary or f"{tool.name}({said}): {action.operation} on {action.destination}")[:2000]
 
 
 def _plan(run, key, tool, arguments, turn):
+    latest = latest_approval(run.claimed.id, key) if tool.approval else None
+    if latest is not None and latest.arguments is not None:
+        arguments = latest.arguments  # the model's, or a person's edit of them
     action = tool(run.ctx, **arguments)
     values = validate(action)
     kind = action_kind(tool, key)
@@ -90,13 +121,20 @@ def _plan(run, key, tool, arguments, turn):
                                    values)
     model_memo = run.memos.get(f"t{turn}/model")
     version = f"t{turn}/model:{model_memo.fingerprint[:16]}" if model_memo else ""
+    sources = []
+    if key in run.memos or tool.prepared_from is None:
+        pass  # settled already, or prepared from the conversation alone
+    elif (latest is not None and latest.status in _STANDING
+          and latest.input_version.startswith(version)):
+        version, sources = latest.input_version, latest.sources  # as read when it was proposed
+    else:
+        memos = {k: (m.kind, m.name, m.output, m.turn) for k, m in run.memos.items()}
+        sources = read_sources(run.ctx, tool, arguments, memos, turn)
+        version += sources_version(sources)
     proposal = make_proposal(action.destination, action.operation, values, version)
-    order = list(tool.parameters.get("properties", {}))
-    said = ", ".join(f"{k} = {arguments[k]}" for k in sorted(
-        arguments, key=lambda k: order.index(k) if k in order else len(order)))
-    summary = action.summary or f"{tool.name}({said}): {action.operation} on {action.destination}"
     return _Planned(key, tool, action, values, kind, params, idem, proposal,
-                    proposal_hash(proposal), summary[:2000], version)
+                    proposal_hash(proposal), _summary(tool, action, arguments), version,
+                    arguments, sources)
 
 
 def _decided(approval, digest, now):
@@ -155,7 +193,8 @@ def _park_for_approval(run, drafts, turn, now):
                 Approval.objects.create(
                     job_id=claimed.id, step=planned.key, turn=turn, proposal=planned.proposal,
                     proposal_hash=planned.digest, input_version=planned.input_version,
-                    summary=planned.summary,
+                    summary=planned.summary, arguments=planned.arguments,
+                    sources=stored(planned.sources),
                     expires_at=now + datetime.timedelta(seconds=float(expiry)),
                 )
         names = ", ".join(p.summary for p in drafts)
@@ -196,17 +235,22 @@ def _frontier(run, planned):
     with transaction.atomic():
         row = Outbox.objects.select_for_update().filter(job_id=claimed.id,
                                                         kind=planned.kind).first()
-        if row is not None and row.step_key != key:
+        set_aside = (row is not None and row.step_key != key
+                     and row.status == OutboxStatus.CANCELLED and not row.attempts)
+        if set_aside:
+            pass  # never sent (set aside before sending): this call takes its place
+        elif row is not None and row.step_key != key:
             return {"error": f"not done: this job already has its {planned.kind} action"
                              f" ({row.status}, from {row.step_key or row.kind});"
                              f" {tool.name} acts once per job", "status": "refused"}, {}
         if row is not None and row.status == OutboxStatus.SUCCEEDED:
             return row.confirmed_memo("recorded earlier"), {}
-        if row is not None and row.status in (OutboxStatus.FAILED, OutboxStatus.CANCELLED):
+        if not set_aside and row is not None and row.status in (OutboxStatus.FAILED,
+                                                                 OutboxStatus.CANCELLED):
             return {"error": f"{row.operation} on {row.destination} {row.status}:"
                              f" {row.last_error}", "status": row.status}, {}
-        in_flight = row is not None and (row.status != OutboxStatus.PENDING
-                                         or row.next_attempt_at is not None)
+        in_flight = not set_aside and row is not None and (
+            row.status != OutboxStatus.PENDING or row.next_attempt_at is not None)
         if not in_flight and needs:
             approval = latest_approval(claimed.id, key)
             decided = _decided(approval, planned.digest, locking.db_now())
@@ -214,7 +258,8 @@ def _frontier(run, planned):
                 if tool.on_reject == "cancel":
                     outcome = "cancel", approval
                 else:
-                    return {"rejected": approval.note or "rejected", "status": "rejected"}, {}
+                    told = approval.model_message or approvals.MODEL_MESSAGE
+                    return {"rejected": told, "status": "rejected"}, {}
             elif decided is None:
                 outcome = "propose", None
         if outcome is None:
@@ -269,6 +314,106 @@ def _cancel(run, planned, approval):
         Outbox.objects.filter(job_id=claimed.id, status=OutboxStatus.PENDING).update(
             status=OutboxStatus.CANCELLED, next_attempt_at=None, last_error="job cancelled")
     raise Suspended("cancelled")
+
+
+# Approving with edits (operators) ------------------------------------------------------------
+
+
+def editable_call(approval):
+    """``(tool, arguments)`` of an agent's open tool call a person may edit, or None."""
+    job = approval.job
+    workflow = job.definition
+    if not is_agent(workflow) or approval.turn is None:
+        return None
+    model = StepResult.objects.filter(job_id=job.pk, step=f"t{approval.turn}/model").values_list(
+        "output", flat=True).first()
+    call = tool_call_of(model, approval.step)
+    tool = workflow.tools_by_name.get((call or {}).get("name"))
+    if tool is None or not tool.is_action:
+        return None
+    if approval.arguments is not None:
+        return tool, approval.arguments
+    arguments = arguments_of(call)
+    return None if arguments is None else (tool, arguments)
+
+
+def approve_edited(approval_id, seen_hash, user, arguments, note=""):
+    """Approve an agent's tool call with the arguments a person changed (within the tool's schema).
+
+    The edited call is a new proposal with its own hash, approved by ``user``; the one
+    it replaces is superseded, and the timeline says who changed what. Arguments that
+    do not fit the tool's schema, or that change nothing, are refused and change nothing.
+    """
+    note = (note or "").strip()
+    with transaction.atomic():
+        checked = approvals.lock_decision(approval_id, seen_hash, user, "approve")
+        if not isinstance(checked, approvals.Expired):
+            approval, _, now = checked
+            edited = _prepare_edit(approval, arguments, user, note, now)
+    if isinstance(checked, approvals.Expired):
+        raise DecisionRefused(str(checked))
+    return edited
+
+
+def _prepare_edit(approval, arguments, user, note, now):
+    job = approval.job
+    found = editable_call(approval)
+    if found is None:
+        raise DecisionRefused("Only an agent's tool call can be approved with edits; this"
+                              " proposal's arguments cannot be changed. Nothing was changed.")
+    tool, before = found
+    if not isinstance(arguments, dict):
+        raise DecisionRefused("The edited arguments must be a JSON object. Nothing was changed.")
+    problems = tool.errors(arguments)
+    if problems:
+        raise DecisionRefused(f"These arguments do not fit {tool.name}: {'; '.join(problems)}."
+                              " Nothing was changed.")
+    changes = argument_changes(before, arguments)
+    if not changes:
+        raise DecisionRefused("No argument was changed: use Approve to send the proposal as it"
+                              " is. Nothing was changed.")
+    ctx = OutsideRun(job, now)
+    try:
+        action = tool(ctx, **arguments)
+        values = validate(action)
+        memos = {m["step"]: (m["kind"], m["name"], m["output"], m["turn"]) for m in
+                 StepResult.objects.filter(job_id=job.pk).values("step", "kind", "name",
+                                                                 "output", "turn")}
+        sources = read_sources(ctx, tool, arguments, memos, approval.turn)
+    except ToolError as exc:
+        raise DecisionRefused(f"{tool.name} refuses these arguments: {exc}. Nothing was"
+                              " changed.") from None
+    except Exception as exc:  # noqa: BLE001 - the tool's own check, in words
+        raise DecisionRefused(f"{tool.name} could not be prepared with these arguments"
+                              f" ({type(exc).__name__}: {exc}). Nothing was changed.") from None
+    version = approval.input_version.split(" prepared from ", 1)[0] + sources_version(sources)
+    proposal = make_proposal(action.destination, action.operation, values, version)
+    who = audit.actor(user)
+    said = ", ".join(f"{k} from {canonical_json(c['from'])} to {canonical_json(c['to'])}"
+                     for k, c in changes.items())
+    close(approval, ApprovalStatus.SUPERSEDED, f"edited by {who}: {said}")
+    expiry = tool.approval_expiry or durable_settings.APPROVAL_EXPIRY_SECONDS
+    edited = Approval.objects.create(
+        job_id=job.pk, step=approval.step, turn=approval.turn, proposal=proposal,
+        proposal_hash=proposal_hash(proposal), input_version=version,
+        summary=_summary(tool, action, arguments), status=ApprovalStatus.APPROVED,
+        decided_by=user if getattr(user, "pk", None) else None, decided_at=now, note=note,
+        arguments=arguments, sources=stored(sources), edited_from=approval,
+        expires_at=now + datetime.timedelta(seconds=float(expiry)),
+    )
+    JobEvent.objects.create(
+        job_id=job.pk, kind=EventKind.APPROVAL, step=approval.step, actor=who,
+        from_state=job.state, to_state=job.state,
+        message=f"{who} changed {said} and approved: {edited.summary}" + (
+            f" — {note}" if note else ""),
+        data={"approval": edited.pk, "edited_from": approval.pk, "changes": changes,
+              "hash": edited.proposal_hash},
+    )
+    approvals.resume_when_decided(job, edited, user, f"approve with edits: {edited.summary}",
+                                  {"approval": edited.pk, "hash": edited.proposal_hash,
+                                   "verb": "approve_edited"})
+    audit.admin_log(user, edited, f"Approved with edits ({said}). {note}".strip())
+    return edited
 
 
 # Grants (operators) ----------------------------------------------------------------------
@@ -328,4 +473,4 @@ def grant(job_id, *, turns=0, budget=None, user=None, reason=""):
     return job
 
 
-__all__ = ["act", "grant", "propose_turn"]
+__all__ = ["act", "approve_edited", "editable_call", "grant", "propose_turn"]

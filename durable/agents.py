@@ -107,8 +107,14 @@ class Tool:
     send, a stable idempotency key bound to its values, unknown as a state). ``kind``
     names the action: a job performs one action of a kind unless ``many=True``.
     ``approval`` (True, or a predicate ``(action, ctx) -> bool``) asks a person first;
-    ``on_reject="note"`` returns the rejection to the model as the tool's result,
-    ``"cancel"`` cancels the job.
+    ``on_reject="note"`` tells the model the call was declined (the decider's message
+    to the model, never their internal note) and the run goes on; ``"cancel"``
+    cancels the job. ``prepared_from`` names what an approved call was prepared from:
+    a function ``(ctx, arguments) -> record`` that reads the record again, or the names
+    of read-only tools whose results the model read. Right before an approved call is
+    sent, they are read again; if anything changed, nothing is sent, the approval is
+    set aside with what changed, and the model is told, so it proposes again from
+    fresh data.
     """
 
     func: object
@@ -120,6 +126,7 @@ class Tool:
     on_reject: str = "note"
     approval_expiry: float | None = None
     retry: Retry = field(default_factory=Retry)
+    prepared_from: object = None  # a callable (ctx, arguments), or a tuple of tool names
 
     @property
     def is_action(self):
@@ -151,8 +158,21 @@ class Tool:
         return self.func(ctx, **arguments)
 
 
+def _sources(prepared_from, tool_name):
+    """``prepared_from`` as a Tool keeps it: None, a callable, or a tuple of tool names."""
+    if prepared_from is None or callable(prepared_from) and not isinstance(prepared_from, Tool):
+        return prepared_from
+    items = [prepared_from] if isinstance(prepared_from, (str, Tool)) else list(prepared_from)
+    names = tuple(item.name if isinstance(item, Tool) else item for item in items)
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ImproperlyConfigured(
+            f"tool {tool_name}: prepared_from is a function (ctx, arguments) -> record, or the"
+            f" names of read-only tools, not {prepared_from!r}")
+    return names
+
+
 def tool(func=None, *, name=None, description=None, schema=None, action=None, approval=False,
-         many=False, on_reject="note", approval_expiry=None, retry=None):
+         many=False, on_reject="note", approval_expiry=None, retry=None, prepared_from=None):
     """Declare a function ``f(ctx, **arguments)`` as a tool (usable bare or with arguments).
 
     Its schema comes from the type hints and docstring (``durable.toolschema``);
@@ -166,6 +186,9 @@ def tool(func=None, *, name=None, description=None, schema=None, action=None, ap
         tool_name = name or f.__name__
         if approval and not action:
             raise ImproperlyConfigured(f"tool {tool_name}: only an action tool needs approval")
+        if prepared_from is not None and not approval:
+            raise ImproperlyConfigured(f"tool {tool_name}: prepared_from is checked before an"
+                                       " approved call is sent; the tool needs approval")
         try:
             spec = schema or schema_for(f, name=tool_name, description=description)
         except ToolSchemaError as exc:
@@ -175,6 +198,7 @@ def tool(func=None, *, name=None, description=None, schema=None, action=None, ap
             kind=(action if isinstance(action, str) else tool_name) if action else None,
             approval=approval, many=many, on_reject=on_reject,
             approval_expiry=approval_expiry, retry=retry or Retry(),
+            prepared_from=_sources(prepared_from, tool_name),
         )
 
     return wrap(func) if func is not None else wrap
@@ -265,6 +289,13 @@ class AgentWorkflow(Workflow, register=False):
             if t.name in cls.tools_by_name:
                 raise ImproperlyConfigured(f"Workflow {cls.name!r}: two tools are named {t.name!r}")
             cls.tools_by_name[t.name] = t
+        for t in cls.tools:
+            for source in t.prepared_from if isinstance(t.prepared_from, tuple) else ():
+                read = cls.tools_by_name.get(source)
+                if read is None or read.is_action:
+                    raise ImproperlyConfigured(
+                        f"Workflow {cls.name!r}: tool {t.name} is prepared from {source!r},"
+                        " which is not one of its read-only tools")
         if register and cls.name:
             registry.register(cls)
 

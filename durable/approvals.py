@@ -38,6 +38,10 @@ logger = logging.getLogger("durable.approvals")
 
 PERMISSION = "durable.approve_proposal"
 CHANGED = "This proposal changed since you opened it; review the current one."
+# What an agent's model is told of a rejected tool call, unless the decider writes
+# otherwise: nothing of the decider's internal note.
+MODEL_MESSAGE = ("A reviewer declined this action, so it was not carried out. Do not try it"
+                 " again; tell the user it could not be done this way.")
 
 
 # Closing a proposal ------------------------------------------------------------------
@@ -115,11 +119,11 @@ def awaiting_state(approval):
         return None
 
 
-class _Expired(str):
+class Expired(str):
     """The refusal message of a decision that came after the proposal's expiry."""
 
 
-def _decide(approval_id, seen_hash, user, verb):
+def lock_decision(approval_id, seen_hash, user, verb):
     """Lock the approval and refuse what may not be decided; return (approval, states, now).
 
     An expiry found here is written down even though the decision is refused, so it
@@ -139,7 +143,7 @@ def _decide(approval_id, seen_hash, user, verb):
     if approval.expires_at <= now:
         close(approval, ApprovalStatus.EXPIRED,
                f"expired at {approval.expires_at.isoformat()} before a decision")
-        return _Expired(f"This proposal expired at {approval.expires_at:%Y-%m-%d %H:%M:%S %Z};"
+        return Expired(f"This proposal expired at {approval.expires_at:%Y-%m-%d %H:%M:%S %Z};"
                         " it can no longer be decided. Prepare it again from current inputs.")
     job = approval.job
     if (verb == "approve" and durable_settings.FOUR_EYES and job.submitted_by
@@ -155,15 +159,22 @@ def _decide(approval_id, seen_hash, user, verb):
     return approval, states, now
 
 
-def _decide_agent(approval, job, user, now, status, note, verb):
+def _decide_agent(approval, job, user, now, status, note, verb, model_message=""):
     """Record one decision of an agent's turn; when its last proposal is decided, the run resumes."""
     Approval.objects.filter(pk=approval.pk).update(
-        status=status, decided_by=user if _is_person(user) else None, decided_at=now, note=note)
+        status=status, decided_by=user if _is_person(user) else None, decided_at=now, note=note,
+        model_message=model_message)
+    message = f"{verb}: {approval.summary}" + (f" — {note}" if note else "")
+    data = {"approval": approval.pk, "hash": approval.proposal_hash, "verb": verb}
+    resume_when_decided(job, approval, user, message, data)
+    audit.admin_log(user, approval, f"{verb} {approval.proposal_hash[:12]}. {note}".strip())
+
+
+def resume_when_decided(job, approval, user, message, data):
+    """Write the decision's event; when it was the turn's last open proposal, the run resumes."""
     left = Approval.objects.filter(job_id=job.pk, status=ApprovalStatus.REQUESTED).exclude(
         pk=approval.pk).count()
-    data = {"approval": approval.pk, "hash": approval.proposal_hash, "verb": verb,
-            "open": left}
-    message = f"{verb}: {approval.summary}" + (f" — {note}" if note else "")
+    data = {**data, "open": left}
     if left:
         JobEvent.objects.create(job_id=job.pk, kind=EventKind.APPROVAL, step=approval.step,
                                 actor=audit.actor(user), from_state=job.state, to_state=job.state,
@@ -178,20 +189,19 @@ def _decide_agent(approval, job, user, now, status, note, verb):
         if not ok:
             raise OperatorError(f"Job {job.pk} moved while you were deciding; reload.")
         locking.notify(locking.JOBS_CHANNEL, job.workflow)
-    audit.admin_log(user, approval, f"{verb} {approval.proposal_hash[:12]}. {note}".strip())
 
 
 def approve(approval_id, seen_hash, user, note=""):
     """Approve exactly the proposal with ``seen_hash``: its action becomes due for dispatch."""
     note = (note or "").strip()
     with transaction.atomic():
-        checked = _decide(approval_id, seen_hash, user, "approve")
-        if not isinstance(checked, _Expired):
+        checked = lock_decision(approval_id, seen_hash, user, "approve")
+        if not isinstance(checked, Expired):
             approval, states, now = checked
             job = approval.job
-        if not isinstance(checked, _Expired) and _is_agent_job(job):
+        if not isinstance(checked, Expired) and _is_agent_job(job):
             _decide_agent(approval, job, user, now, ApprovalStatus.APPROVED, note, "approve")
-        elif not isinstance(checked, _Expired):
+        elif not isinstance(checked, Expired):
             row_count = Outbox.objects.filter(
                 job_id=job.pk, kind=approval.step, status=OutboxStatus.PENDING
             ).wake(last_error="")
@@ -215,25 +225,31 @@ def approve(approval_id, seen_hash, user, note=""):
             audit.admin_log(user, approval, f"Approved {approval.proposal_hash[:12]}. {note}".strip())
             # Wake the dispatcher as soon as this commits, rather than at its next poll.
             locking.notify(locking.OUTBOX_CHANNEL, job.pk)
-    if isinstance(checked, _Expired):
+    if isinstance(checked, Expired):
         raise DecisionRefused(str(checked))
     approval.refresh_from_db()
     return approval
 
 
-def reject(approval_id, seen_hash, user, reason):
-    """Reject the proposal with ``seen_hash``: its action is cancelled, the job goes where the step says."""
+def reject(approval_id, seen_hash, user, reason, model_message=None):
+    """Reject the proposal with ``seen_hash``: its action is cancelled, the job goes where the step says.
+
+    ``reason`` is the audit trail's note. For an agent's tool call the model is told
+    ``model_message`` (by default ``MODEL_MESSAGE``), never the reason.
+    """
     reason = (reason or "").strip()
     if not reason:
         raise DecisionRefused("A rejection needs a reason: say what is wrong with the proposal.")
+    told = (model_message or "").strip() or MODEL_MESSAGE
     with transaction.atomic():
-        checked = _decide(approval_id, seen_hash, user, "reject")
-        if not isinstance(checked, _Expired):
+        checked = lock_decision(approval_id, seen_hash, user, "reject")
+        if not isinstance(checked, Expired):
             approval, states, now = checked
             job = approval.job
-        if not isinstance(checked, _Expired) and _is_agent_job(job):
-            _decide_agent(approval, job, user, now, ApprovalStatus.REJECTED, reason, "reject")
-        elif not isinstance(checked, _Expired):
+        if not isinstance(checked, Expired) and _is_agent_job(job):
+            _decide_agent(approval, job, user, now, ApprovalStatus.REJECTED, reason, "reject",
+                          model_message=told)
+        elif not isinstance(checked, Expired):
             target = job.definition.steps_by_name[approval.step].on_reject
             Approval.objects.filter(pk=approval.pk).update(
                 status=ApprovalStatus.REJECTED, decided_by=user if _is_person(user) else None,
@@ -254,7 +270,7 @@ def reject(approval_id, seen_hash, user, reason):
             if not ok:
                 raise DecisionRefused(f"Job {job.pk} moved while you were deciding; reload.")
             audit.admin_log(user, approval, f"Rejected {approval.proposal_hash[:12]}: {reason}")
-    if isinstance(checked, _Expired):
+    if isinstance(checked, Expired):
         raise DecisionRefused(str(checked))
     approval.refresh_from_db()
     return approval

@@ -110,6 +110,11 @@ DEFAULTS = {
     # the moment they claim their first jobs. 0: workers never roll up (run
     # ``manage.py durable rollup`` every minute from cron instead).
     "ROLLUP_INTERVAL": 60.0,
+    # The workers page: seconds between a runworkers process's writes of its own row (one
+    # UPDATE each, with what its slots do, kept in memory meanwhile). A process silent for
+    # three of them is shown stale; a row silent for WORKER_FORGET_SECONDS is deleted.
+    "WORKER_HEARTBEAT_SECONDS": 5.0,
+    "WORKER_FORGET_SECONDS": 900.0,
     # Fault injection for drills: the name of a fault point where the process SIGKILLs itself.
     "FAULT_POINT": None,
 }

@@ -13,6 +13,8 @@ applied twice) and ``lookup`` (find a request by its key). Destinations are name
 """
 
 import functools
+import importlib
+import importlib.util
 import logging
 import os
 import socket
@@ -22,18 +24,18 @@ from dataclasses import dataclass
 from urllib.parse import parse_qsl, quote, urlsplit
 
 from django.core.exceptions import ImproperlyConfigured
+from django.utils.functional import SimpleLazyObject
 from django.utils.module_loading import import_string
 
 from .conf import durable_settings
 from .exceptions import UnknownDestination
 from .retry import parse_retry_after, scrub
 
-try:  # requests is a dependency; custom destinations must not need it to import
-    import requests
-    import urllib3
-    from requests.adapters import HTTPAdapter
-except ImportError:  # pragma: no cover
-    requests = None
+# Loaded by the first HTTP call, not with this module: every manage.py command imports it
+# (the system checks read DESTINATIONS), and requests with urllib3 cost each of them about
+# 60 ms. Custom destinations never need them.
+requests = SimpleLazyObject(lambda: importlib.import_module("requests"))
+urllib3 = SimpleLazyObject(lambda: importlib.import_module("urllib3"))
 
 logger = logging.getLogger("durable.dispatch")
 
@@ -171,7 +173,10 @@ _session_lock = threading.Lock()
 # SO_LINGER on, zero seconds: close() resets the connection and drops what is unsent.
 _LINGER_ZERO = (socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
-if requests is not None:
+
+@functools.cache
+def _resetting_adapter():
+    from requests.adapters import HTTPAdapter
 
     class _ResettingAdapter(HTTPAdapter):
         """Connections that close with a reset, so a request given up on never arrives later.
@@ -188,6 +193,10 @@ if requests is not None:
             kwargs["socket_options"] = [*urllib3.connection.HTTPConnection.default_socket_options,
                                         _LINGER_ZERO]
             super().init_poolmanager(*args, **kwargs)
+
+    return _ResettingAdapter
+
+
 _sessions = {}
 
 
@@ -213,7 +222,7 @@ def session():
             no_retries = urllib3.Retry(total=0, connect=0, read=0, redirect=0, status=0,
                                        other=0, raise_on_status=False)
             size = max(10, int(durable_settings.DISPATCH_BATCH_SIZE))
-            adapter = _ResettingAdapter(max_retries=no_retries, pool_connections=10,
+            adapter = _resetting_adapter()(max_retries=no_retries, pool_connections=10,
                                         pool_maxsize=size)
             current.mount("http://", adapter)
             current.mount("https://", adapter)
@@ -308,7 +317,7 @@ class HttpDestination(Destination):
                  idempotency_header="Idempotency-Key", lookup_url=None, timeout=None,
                  remote_id_field="id", secrets=(), **options):
         super().__init__(name, **options)
-        if requests is None:  # pragma: no cover
+        if importlib.util.find_spec("requests") is None:  # pragma: no cover
             raise ImproperlyConfigured("HttpDestination needs the requests package")
         if not url or not isinstance(url, str):
             raise ImproperlyConfigured(f"Destination {self.name!r} needs a URL")
@@ -462,7 +471,9 @@ class Registry:
         if config is None:
             known = ", ".join(self.names()) or "none"
             raise UnknownDestination(
-                f"No destination is registered or configured as {name!r} (known: {known})"
+                f"No destination is registered or configured as {name!r} (known: {known}): add"
+                ' it to DURABLE["DESTINATIONS"] in settings, or register it with'
+                " durable.destinations.register(), then requeue the job"
             )
         with self._lock:
             built = self._built.get(name)

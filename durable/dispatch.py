@@ -51,10 +51,13 @@ class Dispatcher(Drains):
 
     def __init__(self, *, name=None, burst=False, lease_seconds=None, poll_interval=None,
                  batch_size=None, threads=None, workflows=None, queues=None,
-                 wait_for_workers=True):
+                 wait_for_workers=True, until_stopped=False):
         super().__init__()
         self.name = name or worker_id("dispatcher")
         self.burst = burst
+        # A burst that waits for work until stop(): runworkers --burst, whose supervisor
+        # ends it when neither its workers nor this dispatcher have anything left.
+        self.until_stopped = until_stopped
         # Only used by burst mode, to know when the workers it runs beside are done.
         self.workflows = workflows or None
         self.queues = queues or None
@@ -82,6 +85,10 @@ class Dispatcher(Drains):
         """Stop claiming; rows being sent are recorded, then the loop exits. Idempotent."""
         self.drain.set()
 
+    def activity(self):
+        """What each sending slot does now, for the workers page (read from memory)."""
+        return self._senders.activity() if self._senders is not None else []
+
     # The loop --------------------------------------------------------------------------
 
     def run(self):
@@ -91,6 +98,7 @@ class Dispatcher(Drains):
         self._senders = Senders(self.threads, self._process_in_thread)
         self.sender.open_batches()
         failures = 0
+        had_work = True  # a burst's dispatcher that finds nothing at start says so too
         try:
             while not self.stopping:
                 try:
@@ -101,6 +109,7 @@ class Dispatcher(Drains):
                     started, full = self._fill()
                     if started:
                         failures = 0
+                        had_work = True
                         continue
                     if full:
                         # Due rows may wait for a slot of their destination: claim again
@@ -108,9 +117,12 @@ class Dispatcher(Drains):
                         self.slots.freed.wait(0.1 if self.slots.free else self.waiter.poll_interval)
                     elif self.slots.busy:
                         self.waiter.wait(lambda: self.stopping or self.slots.freed.is_set())
-                    elif self.burst and self._idle():
+                    elif self.burst and not self.until_stopped and self._idle():
                         break
                     else:
+                        if had_work:
+                            self.went_idle()
+                            had_work = False
                         self.waiter.wait(lambda: self.stopping)
                     failures = 0
                 except (DatabaseError, InterfaceError) as exc:

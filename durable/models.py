@@ -7,15 +7,17 @@ Nothing here assigns ``Job.state``: ``durable.locking`` is its only writer (``in
 
 import datetime
 
-from django.conf import settings
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import models
 from django.db.models import F, Q
 from django.db.models.functions import Now
 from django.utils.translation import gettext_lazy as _
 
-# The schedules' rows live in their own module; they are durable's models like these.
+# The approvals' and schedules' rows live in their own modules; they are durable's models
+# like these.
+from .approval_models import Approval, ApprovalQuerySet, ApprovalStatus  # noqa: F401
 from .schedule_models import ScheduleEvent, ScheduleEventKind, ScheduleState  # noqa: F401
+from .worker_models import ProcessRole, WorkerProcess  # noqa: F401
 
 
 class JobQuerySet(models.QuerySet):
@@ -409,70 +411,6 @@ class Outbox(models.Model):
             "idempotency_key": self.idempotency_key,
             "confirmed_by": how,
         }
-
-
-class ApprovalStatus(models.TextChoices):
-    REQUESTED = "requested", _("requested")  # waiting for a decision
-    APPROVED = "approved", _("approved")  # a person approved exactly this proposal
-    REJECTED = "rejected", _("rejected")  # a person refused it
-    EXPIRED = "expired", _("expired")  # nobody decided in time, or approval came too late
-    SUPERSEDED = "superseded", _("superseded")  # inputs or values changed; a new proposal replaced it
-
-
-class ApprovalQuerySet(models.QuerySet):
-    def pending(self):
-        return self.filter(status=ApprovalStatus.REQUESTED)
-
-
-class Approval(models.Model):
-    """A human decision bound to one proposal by its hash, with an expiry."""
-
-    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="approvals")
-    # The step name, or for an agent the key of the exact tool call (t2/tool/<id>).
-    step = models.CharField(_("step"), max_length=200)
-    # An agent's proposals of one turn are decided together before the run resumes.
-    turn = models.PositiveIntegerField(_("turn"), null=True, blank=True)
-    proposal = models.JSONField(_("proposal"), encoder=DjangoJSONEncoder)
-    proposal_hash = models.CharField(_("proposal hash"), max_length=64)
-    input_version = models.CharField(_("input version"), max_length=255, blank=True, default="")
-    summary = models.TextField(_("summary"), blank=True, default="")
-    status = models.CharField(
-        _("status"),
-        max_length=max(len(v) for v in ApprovalStatus.values),
-        choices=ApprovalStatus.choices,
-        default=ApprovalStatus.REQUESTED,
-    )
-    requested_at = models.DateTimeField(_("requested at"), db_default=Now())
-    expires_at = models.DateTimeField(_("expires at"))
-    decided_by = models.ForeignKey(
-        settings.AUTH_USER_MODEL,
-        on_delete=models.SET_NULL,
-        null=True,
-        blank=True,
-        related_name="+",
-        verbose_name=_("decided by"),
-    )
-    decided_at = models.DateTimeField(_("decided at"), null=True, blank=True)
-    note = models.TextField(_("note"), blank=True, default="")
-
-    objects = ApprovalQuerySet.as_manager()
-
-    class Meta:
-        verbose_name = _("approval")
-        verbose_name_plural = _("approvals")
-        indexes = [models.Index(fields=["status", "requested_at"], name="durable_approval_queue")]
-        constraints = [
-            # At most one open request per job and step.
-            models.UniqueConstraint(
-                fields=["job", "step"],
-                condition=Q(status="requested"),
-                name="durable_one_open_approval",
-            ),
-        ]
-        permissions = [("approve_proposal", "Can approve or reject proposals")]
-
-    def __str__(self):
-        return f"{self.job_id}/{self.step} [{self.status}]"
 
 
 class Pause(models.Model):

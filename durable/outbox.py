@@ -409,10 +409,10 @@ def check_before_dispatch(outbox_row, job):
         current = version_text(workflow.input_version(job, ctx))
     except Exception as exc:  # noqa: BLE001 - an unverifiable input is not a current one
         current = None
-        why = f"the input version could not be computed ({type(exc).__name__}: {exc})"
+        why = f"the inputs could not be read again to check them ({type(exc).__name__}: {exc})"
     else:
-        why = (f"the inputs changed since approval (approved {approval.input_version!r},"
-               f" now {current!r})")
+        # In words: the fingerprints themselves are on the proposal's page.
+        why = "the inputs changed since approval"
     if current != approval.input_version:
         return _send_back(outbox_row, job, states, approval, ApprovalStatus.SUPERSEDED, why)
     return True

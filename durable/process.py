@@ -199,6 +199,13 @@ class Drains:
         # runner it makes, so each slot's next claim (and, on SQLite, a claim that waited
         # for the write lock) sees the drain the moment it begins.
         self.drain = threading.Event()
+        # Called each time a loop (a slot) that had work runs out of it: runworkers
+        # --burst tells its supervisor, which then asks the database whether it is over.
+        self.on_idle = None
+
+    def went_idle(self):
+        if self.on_idle is not None:
+            self.on_idle()
 
     @property
     def stopping(self):

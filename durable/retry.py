@@ -13,17 +13,13 @@ import json
 import random
 import re
 import socket
+import sys
 from dataclasses import dataclass
 
 from django.core.exceptions import ValidationError
 
 from .conf import durable_settings
 from .exceptions import PermanentError, RetryableError
-
-try:  # requests is a dependency, but keep classification importable without it
-    import requests
-except ImportError:  # pragma: no cover
-    requests = None
 
 
 @dataclass(frozen=True)
@@ -83,6 +79,9 @@ def classify(exc, retry_policy=None):
             return Decision(True, getattr(exc, "retry_after", None), "retryable by the step's policy")
     if isinstance(exc, RetryableError):
         return Decision(True, exc.retry_after, "retryable")
+    # Not imported here (it costs a start-up more than this module): an exception of
+    # requests can only exist once something imported it.
+    requests = sys.modules.get("requests")
     if requests is not None:
         if isinstance(exc, requests.HTTPError) and exc.response is not None:
             return http_decision(exc.response.status_code, exc.response.headers.get("Retry-After"))

@@ -25,6 +25,7 @@ import collections
 import logging
 import queue
 import threading
+import time
 
 from django.db import connection
 
@@ -108,6 +109,19 @@ class Senders:
                                           name=f"{name}-{i}", daemon=True)
                          for i in range(int(count))]
         self._started = False
+        # thread name -> (action id, job, destination, monotonic start): the workers page's
+        # view of each slot, kept in memory (see ``activity``).
+        self._sending = {}
+
+    def activity(self):
+        """What each sending thread does now: read from memory, never the database."""
+        sending, now = dict(self._sending), time.monotonic()
+        found = []
+        for thread in self._threads:
+            action, job, destination, began = sending.get(thread.name, (None, "", "", now))
+            found.append({"slot": thread.name, "action": action, "job": job,
+                          "destination": destination, "for": round(now - began, 1)})
+        return found
 
     def submit(self, row, done):
         """Settle ``row`` on a free thread, then call ``done(row)``."""
@@ -128,10 +142,13 @@ class Senders:
 
     def _one(self, item):
         row, done = item
+        name = threading.current_thread().name
+        self._sending[name] = (row.id, row.job_id, row.destination, time.monotonic())
         try:
             keep_connections_healthy()
             self._settle(row)
         finally:
+            self._sending.pop(name, None)
             done(row)
 
 

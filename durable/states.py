@@ -243,6 +243,10 @@ def derive(steps):
     edges: dict[str, list[str]] = {INITIAL: []}
     kinds = {INITIAL: StateKind.INITIAL}
     human_returns: list[str] = []
+    # The starts a person may send a job back to from a later step's question: every
+    # step's start since the last action step. Sending a job back past an action would
+    # prepare a side effect that was already sent again, so no edge goes that far.
+    fresh_starts: list[str] = []
     step_states = []
 
     def add(frm, *tos):
@@ -310,9 +314,15 @@ def derive(steps):
         if failure != NEEDS_HUMAN:
             add(failure, before)  # the requeue edge
             kinds[failure] = StateKind.FAILED
+        fresh_starts.append(before)
         if st.needs_human or (states.approval and st.on_reject == NEEDS_HUMAN):
             # A person may send the job back to prepare again (after a rejection, too).
             human_returns.append(before)
+        if st.needs_human:
+            # ... or to an earlier step's start, to fetch again (a re-fetch).
+            human_returns.extend(fresh_starts)
+        if st.action:
+            fresh_starts = []
         kinds[st.done] = StateKind.TERMINAL if last else StateKind.READY
         edges.setdefault(st.done, [])
         if not last:

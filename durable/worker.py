@@ -139,6 +139,13 @@ class Heartbeat(threading.Thread):
         with self._lock:
             return len(self._watched)
 
+    def doing(self):
+        """``{thread ident: (job, step, seconds since its current call began)}``, from memory."""
+        now = time.monotonic()
+        with self._lock:
+            return {w.ident: (w.started.claimed.id, w.started.step.name, now - w.began)
+                    for w in self._watched.values()}
+
     # The heartbeat's own thread ----------------------------------------------------
 
     def stop(self):
@@ -331,12 +338,16 @@ class Worker(Drains):
     draining_message = "finishing the steps in flight, then exiting"
 
     def __init__(self, *, name=None, workflows=None, queues=None, burst=False,
-                 lease_seconds=None, poll_interval=None, listen_turns=None, threads=None):
+                 lease_seconds=None, poll_interval=None, listen_turns=None, threads=None,
+                 until_stopped=False):
         super().__init__()
         self.name = name or worker_id()
         self.workflows = workflows or None
         self.queues = queues or None
         self.burst = burst
+        # A burst that waits for work until stop(): runworkers --burst, whose supervisor
+        # ends it when nothing is left (an action sent may make a job due again).
+        self.until_stopped = until_stopped
         self.lease_seconds = lease_seconds or durable_settings.LEASE_SECONDS
         self.threads = int(threads or durable_settings.THREADS)
         self.max_abandoned = int(durable_settings.MAX_ABANDONED_THREADS)
@@ -422,6 +433,20 @@ class Worker(Drains):
             self._slot_ended.wait(0.2)
             self._slot_ended.clear()
 
+    def activity(self):
+        """What each slot does now, for the workers page: read from memory, never the database."""
+        doing = self.heartbeat.doing()
+        with self._lock:
+            slots = [(s.name, s.ident, s.abandoned) for s in self._slots]
+        if self.threads == 1:
+            slots = [("main", threading.main_thread().ident, False)]
+        found = []
+        for name, ident, abandoned in slots:
+            job, step, seconds = doing.get(ident, ("", "", 0.0))
+            found.append({"slot": name, "job": job, "step": step, "for": round(seconds, 1),
+                          "abandoned": abandoned})
+        return found
+
     def slot_ended(self, slot):
         with self._lock:
             if slot in self._slots:
@@ -435,6 +460,7 @@ class Worker(Drains):
         # another slot may be waiting on; the listening slot closes it itself.
         waiter = self.waiter if slot is None else _NoListener
         failures = 0
+        had_work = True  # a burst's slot that finds nothing at start says so too
         # Only the first slot claims at start; the others wait to be rung by a slot that
         # found work, so an idle process does not storm the database with claims.
         wait_first = slot is not None and slot.runner is not self.runner and not self.burst
@@ -453,10 +479,14 @@ class Worker(Drains):
                 with self._claiming:
                     started = runner.claim(self.workflows, self.queues)
                 if started is None:
-                    if self.burst:
+                    if self.burst and not self.until_stopped:
                         break
+                    if had_work:
+                        self.went_idle()
+                        had_work = False
                     self._wait_for_work(slot)
                     continue
+                had_work = True
                 if slot is not None:
                     self._ring()  # there may be more: let another idle slot look
                 runner.run(started)

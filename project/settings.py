@@ -129,6 +129,9 @@ DURABLE = {
     # The price of each model call, per million tokens (the demo's model is priced like a
     # hosted one). A provider that reports its own cost in the reply wins over this table.
     "MODEL_PRICES": {"demo-model": {"input": "2.50", "output": "10.00"}},
+    # The currency of those prices, so of every model cost the console and the demo write.
+    # The shop's deals and refunds are in EUR; its model provider bills in USD.
+    "CURRENCY": "USD",
 }
 
 # Plain @task functions (Django 6's django.tasks, or the django-tasks backport on

@@ -52,6 +52,7 @@ DURABLE = {
     "POLL_INTERVAL": float(os.environ.get("DURABLE_POLL_INTERVAL", 0.2)),
     "SHUTDOWN_GRACE": 10.0,
     "ROLLUP_INTERVAL": float(os.environ.get("DURABLE_ROLLUP_INTERVAL", 60)),
+    "WORKER_HEARTBEAT_SECONDS": float(os.environ.get("DURABLE_WORKER_HEARTBEAT", 5)),
     "DB_CONNECT_TIMEOUT": float(os.environ.get("DURABLE_DB_CONNECT_TIMEOUT", 10)),
     "DB_DEAD_AFTER": float(os.environ.get("DURABLE_DB_DEAD_AFTER", 20)),
     # The schedule drills hand their schedules to the worker processes they start.

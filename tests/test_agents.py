@@ -357,10 +357,12 @@ def test_proposals_of_one_turn_are_decided_together_and_a_rejection_goes_to_the_
     assert "issue_refund(order_id = A-1, amount = 250)" in open_[0].summary
     assert posts(receiver) == []
 
-    approvals.reject(open_[0].pk, open_[0].proposal_hash, admin_user, "refund policy: 30 days")
+    approvals.reject(open_[0].pk, open_[0].proposal_hash, admin_user, "refund policy: 30 days",
+                     model_message="Refunds over 100 need a manager.")
     drive(in_state("ap", "done"))
     rejected = StepResult.objects.get(job_id="ap", step="t1/tool/r1").output
-    assert rejected == {"rejected": "refund policy: 30 days", "status": "rejected"}
+    # The model reads the decider's message to it, not the internal note.
+    assert rejected == {"rejected": "Refunds over 100 need a manager.", "status": "rejected"}
     # The refund of 50 needed no approval: sent once; the refund kind is taken by it.
     assert [a["body"] for a in receiver.actions] == [{"order": "A-2", "amount": 50}]
 

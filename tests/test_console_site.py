@@ -30,7 +30,7 @@ def test_a_custom_admin_site_serves_the_console_with_its_own_links(client):
 
     assert response.status_code == 200
     html = response.content.decode()
-    assert "/ops/durable/job/?failed=yes" in html and "/ops/durable/costs/" in html
+    assert "/ops/durable/job/?kind=failed" in html and "/ops/durable/costs/" in html
     assert "/admin/" not in html.replace("/static/admin/", "")
     assert client.get("/ops/durable/job/bad/change/").status_code == 200
     assert client.post("/ops/durable/job/bad/act/requeue/", {"reason": "x"}).status_code == 302

@@ -118,3 +118,62 @@ def test_cancel_from_the_console_can_take_the_children_with_it(signaller):
     act = reverse("admin:durable_job_act", args=["p", "cancel"])
     signaller.post(act, {"reason": "stop it all", "children": "yes"})
     assert set(Job.objects.filter(pk__startswith="p").values_list("state", flat=True)) == {"cancelled"}
+
+
+# What a waiting job waits for, in words ---------------------------------------------------------
+
+
+def test_a_job_waiting_for_a_signal_shows_its_name_and_deadline_and_prefills_the_form(signaller):
+    durable.submit("confirm", "t", {"timeout": 3600})
+    drain()
+    response = signaller.get(job_page("t"))
+    page = response.content.decode()
+    waiting = response.context["waiting_for"]
+    assert (waiting["what"], waiting["name"]) == ("signal", "confirmed")
+    assert waiting["deadline"] is not None
+    assert 'signal <code class="durable-signal-name">confirmed</code>' in page
+    assert f"until {waiting['deadline']:%Y-%m-%d %H:%M:%S} UTC" in page
+    assert 'name="name" required maxlength="100"' in page and 'value="confirmed"' in page
+    assert 'data-waited="confirmed"' in page
+    assert "Retry now" not in page  # a retry would only park the wait again
+
+
+def test_a_signal_no_wait_reads_is_delivered_with_a_warning_not_a_success(signaller, parked):
+    response = signaller.post(signal_url("j"), {"name": "ask/wait/confirmed", "payload": "{}",
+                                                "reason": "copied from the page"}, follow=True)
+
+    page = response.content.decode()
+    assert 'class="warning"' in page
+    assert "nothing reads it now" in page and "it waits for “confirmed”" in page
+    assert "no wait of this job reads “ask/wait/confirmed” now" in page  # the inbox row
+    assert Signal.objects.get(job_id="j").consumed_key == ""
+    drain()
+    assert Job.objects.get(pk="j").state == "awaiting_signal_ask"
+
+
+def test_the_right_signal_name_is_a_success_and_the_job_goes_on(signaller, parked):
+    response = signaller.post(signal_url("j"), {"name": "confirmed", "payload": "{}",
+                                                "reason": "phoned"}, follow=True)
+
+    page = response.content.decode()
+    assert 'class="success"' in page and "the wait that reads it is due now" in page
+    drain()
+    assert Job.objects.get(pk="j").state == "finish_done"
+
+
+def test_a_parent_shows_it_waits_for_its_children(signaller):
+    from durable.runner import Runner
+
+    durable.submit("parent", "p", {"children": 2})
+    runner = Runner("inline", workflows=["parent"])
+    runner.run(runner.claim())
+    page = signaller.get(job_page("p")).content.decode()
+    assert "its 2 child jobs" in page and "(no deadline)" in page
+
+
+def test_a_job_that_waits_for_no_signal_keeps_the_form_folded_and_says_so(signaller):
+    durable.submit("test_pipeline", "doc", {"doc": ""})
+    drain()
+    page = signaller.get(job_page("doc")).content.decode()
+    assert '<details class="durable-signal-folded">' in page
+    assert "no wait of this job reads one now" in page and 'data-waited=""' in page

@@ -245,6 +245,8 @@ def test_the_demo_runs_end_to_end_kills_a_worker_and_loses_nothing(tmp_path):
     created, distinct = crm_line.split("created")[1].split(" distinct")[0].split(",")
     assert int(created) == int(distinct) == delivered
     assert "durable status" in out or "pipeline" in out
+    # Model cost in the price list's currency, as the console writes it.
+    assert "model cost                  USD " in out
     check_the_support_agent(out, db)
 
 

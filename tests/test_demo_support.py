@@ -101,9 +101,12 @@ def test_a_large_refund_waits_for_approval_and_is_sent_once_approved(world, admi
 def test_a_rejected_refund_comes_back_to_the_model_which_answers_the_customer(world, admin_user):
     model, crm, refunds, settle = world
     proposal = proposed_refund(world, "r3")
-    approvals.reject(proposal.pk, proposal.proposal_hash, admin_user, reason="send it for repair first")
+    approvals.reject(proposal.pk, proposal.proposal_hash, admin_user, reason="INTERNAL: abuse list",
+                     model_message="send it for repair first")
     assert settle("r3") == ["done"]
-    assert "send it for repair first" in Job.objects.get(pk="r3").result["answer"]
+    answer = Job.objects.get(pk="r3").result["answer"]
+    # The customer reads the message to the model, never the internal reason.
+    assert "send it for repair first" in answer and "abuse" not in answer
     assert refunds.actions == []
 
 

@@ -48,19 +48,20 @@ PARTS = {
     "policy": ["durable.workflows", "durable.states", "durable.retry", "durable.identity",
                "durable.formats", "durable.aio"],
     # The rows and every statement and lease write on them; the cost roll-ups.
-    "store": ["durable.models", "durable.schedule_models", "durable.locking", "durable.sql",
+    "store": ["durable.models", "durable.schedule_models", "durable.worker_models",
+              "durable.approval_models", "durable.locking", "durable.sql",
               "durable.memos", "durable.wakeups", "durable.rollups", "durable.action_rows"],
     # Submitting a job: below all that submits (verbs, waits, schedules, tasks).
     "submit": ["durable.submission"],
     # What the worker and the dispatcher loops share: drains, waiter, connections.
-    "process": ["durable.process"],
+    "process": ["durable.process", "durable.presence"],
     # The processes that claim and run jobs.
     "engine": ["durable.runner", "durable.worker", "durable.supervisor"],
     # Effects that leave the system: the outbox, its dispatcher, destinations, decisions.
     "actions": ["durable.outbox", "durable.dispatch", "durable.sender", "durable.slots", "durable.approvals",
                 "durable.reconcile", "durable.destinations", "durable.reprepare"],
     # One implementation of every verb for code, console and CLI.
-    "verbs": ["durable.services", "durable.purge", "durable.audit"],
+    "verbs": ["durable.services", "durable.purge", "durable.audit", "durable.answers"],
     # The operators' questions as plain data.
     "reads": ["durable.reports", "durable.scopes", "durable.failures", "durable.alerts",
               "durable.metrics"],
@@ -68,7 +69,8 @@ PARTS = {
     "console": ["durable.admin", "durable.views", "durable.views.approvals", "durable.views.base",
                 "durable.views.bulk", "durable.views.charts", "durable.views.costs",
                 "durable.views.dashboard", "durable.views.jobs", "durable.views.reconcile",
-                "durable.views.schedules", "durable.templatetags",
+                "durable.views.schedules", "durable.views.workers", "durable.views.answers",
+                "durable.views.waits", "durable.templatetags",
                 "durable.templatetags.durable_console"],
     "commands": ["durable.management", "durable.management.commands",
                  "durable.management.commands.durable", "durable.management.commands.runworkers"],

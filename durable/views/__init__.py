@@ -10,7 +10,9 @@ The package follows ``django.contrib.admin.views``: one module per page family, 
 - ``job_page(model_admin)``: the job page, for ``JobAdmin.change_view``;
 - ``confirm_selected(...)``: the confirmation page of an admin action on ticked jobs;
 - ``job_list_context(...)``: the tabs and bulk buttons around the admin's job list;
-- ``show_json``: payloads pretty-printed and redacted, for the read-only admin pages.
+- ``show_json``: payloads pretty-printed and redacted, for the read-only admin pages;
+- ``JOB_KINDS``: the kinds of jobs across workflows, for the job list's filter;
+- ``console_nav(site)``: the console's pages, for the admin's app list.
 
 Every page is wrapped by ``base.page`` (active staff only, CSRF-protected, never cached,
 never framed, NUL refused, UTC). A page shows what the user may see; a button appears
@@ -22,11 +24,11 @@ call to a verb in ``durable.services``, ``durable.reconcile`` or ``durable.appro
 from django.contrib.admin.utils import unquote
 from django.urls import path
 
-from . import approvals, bulk, costs, dashboard, jobs, reconcile, schedules
-from .base import admin_url, chrome, job_url, page, serve, show_json, url_or_blank
+from . import answers, approvals, bulk, costs, dashboard, jobs, reconcile, schedules, workers
+from .base import JOB_KINDS, admin_url, chrome, console_nav, job_url, page, serve, show_json, url_or_blank
 
-__all__ = ["confirm_selected", "console_urls", "job_list_context", "job_page", "job_urls",
-           "show_json"]
+__all__ = ["JOB_KINDS", "confirm_selected", "console_nav", "console_urls", "job_list_context",
+           "job_page", "job_urls", "show_json"]
 
 
 def console_urls(admin_site):
@@ -55,6 +57,8 @@ def console_urls(admin_site):
              name="durable_schedule_act"),
         path("durable/approvals/", page(admin_site, approvals.queue, "GET", "HEAD"),
              name="durable_approvals"),
+        path("durable/workers/", page(admin_site, workers.workers, "GET", "HEAD"),
+             name="durable_workers"),
         path("durable/approvals/<int:pk>/", page(admin_site, approvals.detail, "GET", "HEAD", "POST"),
              name="durable_approval"),
     ]
@@ -68,6 +72,11 @@ def job_urls(model_admin):
              name="durable_job_bulk"),
         path("<path:object_id>/signal/",
              page(site, jobs.job_signal, "POST", model_admin=model_admin), name="durable_job_signal"),
+        path("<path:object_id>/answer/",
+             page(site, answers.job_answer, "POST", model_admin=model_admin,
+                  back=lambda site, object_id, **_: (job_url(site, unquote(object_id)),
+                                                     unquote(object_id))),
+             name="durable_job_answer"),
         path("<path:object_id>/act/<str:verb>/",
              page(site, jobs.job_action, "POST", model_admin=model_admin,
                   back=lambda site, object_id, **_: (job_url(site, unquote(object_id)),

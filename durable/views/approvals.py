@@ -16,11 +16,12 @@ from django.db.models import Sum
 from django.http import Http404, HttpResponseRedirect
 from django.template.response import TemplateResponse
 
-from .. import approvals, formats, locking, reports
+from .. import agent_actions, agent_outbox, approvals, formats, locking, reports
+from ..agent_pages import turn_support
 from ..exceptions import DecisionForbidden, DecisionRefused
 from ..models import Approval, ApprovalStatus, EventKind, JobEvent, StepResult
 from ..workflows import Action, registry
-from .base import admin_url, context, require_view, url_or_blank
+from .base import admin_url, context, require_view, show_json, url_or_blank
 
 logger = logging.getLogger("durable.approvals")
 
@@ -111,6 +112,7 @@ def _proposal_page(request, admin_site, pk, *, status=200):
              and not later and job.state == approvals.awaiting_state(approval))
     may_decide = approvals.can_decide(request.user)
     replaced = earlier[0] if earlier else None
+    call = agent_actions.editable_call(approval) if approval.turn is not None else None
     ctx = context(
         request, admin_site, f"Proposal {approval.pk} for {job.workflow}.{approval.step}",
         "approvals",
@@ -127,7 +129,11 @@ def _proposal_page(request, admin_site, pk, *, status=200):
         show_decision=may_decide and open_ and not timing["expired"],
         show_prepare_again=may_decide and open_ and timing["expired"],
         story=story(approval, now, later=later),
-        on_reject=_on_reject(job, approval.step),
+        on_reject=_on_reject(job, approval, call),
+        told_on_reject=call is not None and call[0].on_reject == "note",
+        model_message=approvals.MODEL_MESSAGE,
+        arguments=_argument_fields(*call) if call else [],
+        sources=[{**src, "text": _render_value(src.get("value"))[0]} for src in approval.sources or []],
         replaced=replaced,
         replaced_url=admin_url(admin_site, "durable_approval", replaced.pk) if replaced else "",
         changes=value_changes(replaced, approval) if replaced else [],
@@ -137,6 +143,8 @@ def _proposal_page(request, admin_site, pk, *, status=200):
                                         ("Later proposals for this step", list(reversed(later))))],
         # The console may be installed on a site that does not register Job.
         job_url=url_or_blank(admin_site, "durable_job_change", quote(job.pk)),
+        # An agent's proposal: its turn on the job page, and the reads it was based on.
+        turn=turn_support(approval, lambda value: show_json(value, request.user, limit=1500)),
     )
     return TemplateResponse(request, "admin/durable/approvals/detail.html", ctx, status=status)
 
@@ -150,12 +158,20 @@ def _decide(request, admin_site, pk):
                 "You may view proposals but not decide them: the permission"
                 f" '{approvals.PERMISSION}' is missing. Nothing was changed."
             )
+        warning = ""
         if decision == "approve":
             approval = approvals.approve(pk, seen, request.user, request.POST.get("note", ""))
-            done = _after_approval(approval)
+            done, warning = _after_approval(approval)
+        elif decision == "approve_edited":
+            original = _original(pk)
+            arguments = edited_arguments(request.POST, original)
+            approval = agent_actions.approve_edited(pk, seen, request.user, arguments,
+                                                    request.POST.get("note", ""))
+            done, warning = _after_approval(approval)
         elif decision == "reject":
-            approval = approvals.reject(pk, seen, request.user, request.POST.get("reason", ""))
-            done = f"Rejected: the job went to {approval.job.state}."
+            approval = approvals.reject(pk, seen, request.user, request.POST.get("reason", ""),
+                                        request.POST.get("model_message"))
+            done = _after_rejection(approval)
         elif decision == "prepare_again":
             approvals.prepare_again(pk, request.user, request.POST.get("reason", ""))
             done = "The step will prepare a new proposal from current inputs."
@@ -167,34 +183,172 @@ def _decide(request, admin_site, pk):
     except DecisionRefused as exc:
         messages.error(request, str(exc))
         return _proposal_page(request, admin_site, pk, status=409)
-    messages.success(request, done)
+    if warning:
+        messages.warning(request, warning)
+    else:
+        messages.success(request, done)
     return HttpResponseRedirect(admin_url(admin_site, "durable_approvals"))
 
 
+def _original(pk):
+    try:
+        return Approval.objects.select_related("job").get(pk=pk)
+    except (Approval.DoesNotExist, ValueError, TypeError):
+        raise DecisionRefused(f"There is no proposal {pk!r}") from None
+
+
+def _open_left(approval):
+    return Approval.objects.filter(job_id=approval.job_id, status=ApprovalStatus.REQUESTED).count()
+
+
 def _after_approval(approval):
-    """What the approver is told will happen: the check before dispatch, run now as a preview."""
+    """``(success, warning)``: what the approver is told will happen, the check before dispatch run now."""
+    if approval.turn is not None:
+        return _after_agent_approval(approval)
     changed = inputs_changed(approval)
     if changed:
-        return (f"Approved, but nothing will be sent: {changed}. The check before dispatch "
-                "sets this approval aside and the step prepares a new proposal from current "
-                "inputs; it will appear in the queue for review.")
+        return "", (f"Approved, but nothing will be sent: {changed}. The check before dispatch"
+                    " sets this approval aside and the step prepares a new proposal from current"
+                    " inputs; it will appear in the queue for review.")
     return ("Approved. The dispatcher checks once more that the inputs are unchanged and the "
-            "approval has not expired, then sends it; the job page shows the outcome.")
+            "approval has not expired, then sends it; the job page shows the outcome."), ""
+
+
+def _after_agent_approval(approval):
+    """An agent's tool call: sent by its run once every proposal of the turn is decided."""
+    job = approval.job
+    what = f"{approval.proposal.get('operation')} to {approval.proposal.get('destination')}"
+    call = agent_actions.editable_call(approval)
+    changes = []
+    if not _same_model_reply(approval):
+        return "", ("Approved, but nothing will be sent as approved: the model reply that proposed"
+                    " this call is no longer the one recorded, so the run proposes again from the"
+                    " conversation as it is now; the new proposal will appear in the queue.")
+    if call is not None and approval.sources:
+        ctx = agent_outbox.OutsideRun(job, locking.db_now())
+        changes = agent_outbox.changed_sources(ctx, call[0], job.definition, approval)
+    if changes:
+        return "", (f"Approved, but nothing will be sent: what this call was prepared from changed"
+                    f" since it was proposed ({'; '.join(changes)}). Just before sending, the"
+                    " check sets this approval aside and the agent is told, so it proposes again"
+                    " from fresh data.")
+    left = _open_left(approval)
+    when = (f"once the {left} other proposal{'s' if left != 1 else ''} of this turn"
+            f" {'are' if left != 1 else 'is'} decided" if left else "now: the agent resumes")
+    again = (" Just before sending, what it was prepared from is read once more; if it changed,"
+             " nothing is sent." if approval.sources else "")
+    return (f"Approved: {approval.summary}. It will be sent ({what}, with the values on the"
+            f" proposal, once) {when}.{again} The job page shows the outcome."), ""
+
+
+def _same_model_reply(approval):
+    """Whether the model reply an agent's proposal was prepared from is still the recorded one."""
+    prefix = f"t{approval.turn}/model:"
+    if not approval.input_version.startswith(prefix):
+        return True  # prepared outside a turn's model call: nothing to compare
+    fingerprint = StepResult.objects.filter(job_id=approval.job_id, step=prefix[:-1]).values_list(
+        "fingerprint", flat=True).first() or ""
+    return approval.input_version[len(prefix):].startswith(fingerprint[:16]) and bool(fingerprint)
+
+
+def _after_rejection(approval):
+    """What the rejecter is told happens next."""
+    job = approval.job
+    if approval.turn is None:
+        if job.state == "cancelled":
+            return "Rejected: nothing was sent, and the job is cancelled."
+        return f"Rejected: nothing was sent; the job is now {job.state}, where a person takes it from there."
+    call = agent_actions.editable_call(approval)
+    left = _open_left(approval)
+    when = (f" once the {left} other proposal{'s' if left != 1 else ''} of this turn"
+            f" {'are' if left != 1 else 'is'} decided" if left else " now")
+    if call is not None and call[0].on_reject == "cancel":
+        return f"Rejected: nothing was sent. {call[0].name} cancels the job when rejected: its run stops{when}."
+    return (f"Rejected: nothing was sent. The agent is told “{approval.model_message}” (your reason"
+            f" stays in the audit trail) and its run goes on{when}.")
 
 
 def inputs_changed(approval):
-    """Why the proposal's input version no longer holds ("" when it does), as of now."""
+    """Why the proposal's inputs no longer hold, in words ("" when they do), as of now."""
     job = approval.job
     try:
         workflow = registry.get(job.workflow)
         st = workflow.steps_by_name[approval.step]
         current = approvals.version_text(workflow.input_version(job, approvals.context_for(job, st)))
     except Exception as exc:  # noqa: BLE001 - an unverifiable input is not a current one
-        return f"the input version could not be computed ({type(exc).__name__}: {exc})"
+        logger.exception("input_version failed for approval %s", approval.pk)
+        return f"the inputs could not be read again to check them ({type(exc).__name__})"
     if current != approval.input_version:
-        return (f"the inputs changed since this proposal was prepared (it was prepared from"
-                f" {approval.input_version!r}, now {current!r})")
+        return "the inputs changed since this proposal was prepared"
     return ""
+
+
+# Approving with edits: one field per argument of the tool's schema ---------------------------
+
+_FIELD = "arg:"
+
+
+def _argument_fields(tool, arguments):
+    """The edit form's fields: name, kind of input, current text, choices, help."""
+    schema = tool.parameters
+    required = set(schema.get("required", []))
+    fields = []
+    for name, spec in schema.get("properties", {}).items():
+        value = arguments.get(name)
+        kind = spec.get("type")
+        if "enum" in spec:
+            widget = "select"
+        elif kind in ("integer", "number"):
+            widget = "number"
+        elif kind == "boolean":
+            widget = "boolean"
+        elif kind == "string":
+            widget = "text"
+        else:
+            widget = "json"
+        text = ("" if value is None else json.dumps(value, ensure_ascii=False)
+                if widget in ("json", "select") or kind == "boolean" else str(value))
+        fields.append({
+            "name": name, "field": f"{_FIELD}{name}", "widget": widget, "text": text,
+            "step": "1" if kind == "integer" else "any", "required": name in required,
+            "choices": [json.dumps(c, ensure_ascii=False) for c in spec.get("enum", [])],
+            "help": spec.get("description", ""),
+        })
+    return fields
+
+
+def edited_arguments(post, approval):
+    """The arguments an edit form posted, read by the tool's schema; raises DecisionRefused."""
+    call = agent_actions.editable_call(approval)
+    if call is None:
+        raise DecisionRefused("Only an agent's tool call can be approved with edits; this"
+                              " proposal's arguments cannot be changed. Nothing was changed.")
+    tool, _ = call
+    properties = tool.parameters.get("properties", {})
+    required = set(tool.parameters.get("required", []))
+    arguments, problems = {}, []
+    for field, text in post.items():
+        if not field.startswith(_FIELD):
+            continue
+        name = field[len(_FIELD):]
+        spec = properties.get(name)
+        if spec is None:
+            problems.append(f"{tool.name} has no argument {name!r}")
+            continue
+        text = text.strip()
+        if not text and name not in required:
+            continue  # left blank: the tool's default
+        if spec.get("type") == "string" and "enum" not in spec:
+            arguments[name] = text
+            continue
+        try:
+            arguments[name] = json.loads(text)
+        except ValueError:
+            problems.append(f"{name}: {text[:80]!r} is not a valid {spec.get('type') or 'JSON value'}")
+    if problems:
+        raise DecisionRefused(f"These arguments do not fit {tool.name}: {'; '.join(problems)}."
+                              " Nothing was changed.")
+    return arguments
 
 
 def _why(approval):
@@ -216,6 +370,9 @@ def story(approval, now, *, later=()):
     if status == ApprovalStatus.REQUESTED or (status == ApprovalStatus.EXPIRED and not who):
         text = f"Expired at {_at(approval.expires_at)} before anyone decided."
         return text + ("" if later else " Prepare it again to review a new proposal from current inputs.")
+    if status == ApprovalStatus.APPROVED and approval.edited_from_id:
+        return (f"Approved with changes by {who or 'someone'} at {_at(approval.decided_at)}:"
+                f" it replaces proposal {approval.edited_from_id}, whose arguments they edited.")
     if status == ApprovalStatus.APPROVED:
         return f"Approved by {who or 'someone'} at {_at(approval.decided_at)}."
     if status == ApprovalStatus.REJECTED:
@@ -223,9 +380,10 @@ def story(approval, now, *, later=()):
     verb = "Superseded" if status == ApprovalStatus.SUPERSEDED else "Expired"
     why = _why(approval)
     if who:
+        after = ("the agent is told and proposes again from fresh data" if approval.turn is not None
+                 else "the step prepares a new proposal from current inputs")
         return (f"Approved by {who} at {_at(approval.decided_at)}. {verb} before it was sent"
-                f"{': ' + why if why else ''}. Nothing was sent; the step prepares a new"
-                " proposal from current inputs.")
+                f"{': ' + why if why else ''}. Nothing was sent; {after}.")
     return f"{verb}{': ' + why if why else ''}."
 
 
@@ -242,10 +400,16 @@ def value_changes(before, after):
     return rows
 
 
-def _on_reject(job, step):
-    """Where a rejection sends the job, in words."""
+def _on_reject(job, approval, call):
+    """What a rejection does, in words: for an agent's tool call, what its tool says (``on_reject``)."""
+    if call is not None:
+        if call[0].on_reject == "cancel":
+            return (f"Rejecting sends nothing and cancels the job ({call[0].name} cancels the run"
+                    " when rejected): the agent stops for good.")
+        return ("Rejecting sends nothing. The agent is told it was declined, in the message to the"
+                " model below (your reason stays in the audit trail), and its run goes on.")
     definition = registry.get(job.workflow) if job.workflow in registry else None
-    st = definition.steps_by_name.get(step) if definition else None
+    st = definition.steps_by_name.get(approval.step) if definition else None
     target = st.on_reject if st else "cancelled"
     if target == "cancelled":
         return "Rejecting cancels the job: nothing is sent and the job stops for good."
@@ -320,6 +484,8 @@ def record_diff(current, values):
 def current_record(approval):
     """The target record as the workflow reads it now, or None when it cannot tell."""
     job = approval.job
+    if approval.turn is not None:
+        return None  # an agent's tool call: what it was prepared from is shown instead
     try:
         workflow = registry.get(job.workflow)
         st = workflow.steps_by_name[approval.step]

@@ -19,6 +19,7 @@ same treatment without the staff wrapper from :func:`serve`.
 import datetime
 import functools
 import json
+import re
 from dataclasses import dataclass
 from urllib.parse import urlencode
 
@@ -35,6 +36,8 @@ from django.views.decorators.http import require_http_methods
 
 from ..conf import durable_settings
 from ..models import Job, Pause
+from ..scopes import kind_q
+from ..states import StateKind
 
 # Characters of pretty-printed JSON shown before a payload is cut.
 PAYLOAD_CHARS = 4000
@@ -243,6 +246,7 @@ TABS = (
     Tab("approvals", "Approvals", ("durable_approvals", "durable_approval_changelist")),
     Tab("costs", "Cost report", ("durable_costs",)),
     Tab("schedules", "Schedules", ("durable_schedules",)),
+    Tab("workers", "Workers", ("durable_workers",)),
 )
 
 
@@ -277,7 +281,43 @@ def context(request, admin_site, title, section="", **extra):
     }
 
 
+# Kinds of jobs across workflows -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JobKind:
+    """Jobs of some state kinds, in every workflow: a filter of the job list, a counter."""
+
+    label: str
+    kinds: tuple
+
+    def q(self, workflow=None):
+        return kind_q(*self.kinds, workflow=workflow)
+
+
+# The job list's "kind" filter and the dashboard's counters, by the key in their address.
+JOB_KINDS = {
+    "signal": JobKind("waiting for a signal", (StateKind.SIGNAL,)),
+    "children": JobKind("waiting for its children", (StateKind.JOIN,)),
+    "timer": JobKind("waiting for a time", (StateKind.TIMER,)),
+    "person": JobKind("waiting for a human (a question or an approval)",
+                      (StateKind.HUMAN, StateKind.APPROVAL)),
+    "unknown": JobKind("action outcome unknown", (StateKind.UNKNOWN,)),
+    "failed": JobKind("in a failed state", (StateKind.FAILED,)),
+}
+
+
 # Payloads ----------------------------------------------------------------------------------
+
+# A hex digest (sha-1 and longer) in a message: shortened for people, who compare the
+# first characters; the whole value stays in the records.
+_DIGEST = re.compile(r"\b[0-9a-f]{40,}\b")
+
+
+def short_hashes(text):
+    """``text`` with every long hex digest cut to its first 8 characters and an ellipsis."""
+    return _DIGEST.sub(lambda m: m[0][:8] + "…", text or "")
+
 
 
 def _redacted_key(key, names):

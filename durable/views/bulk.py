@@ -87,11 +87,12 @@ def bulk_confirm_selected(request, model_admin, verb, ids):
 
 
 def confirm_bulk(request, admin_site, verb, queryset, *, scope, back, title, ids=(), example="",
-                  action=None, submitted=None):
+                  action=None, submitted=None, warning=""):
     """Restate count and scope and ask for a reason; on the confirming POST, run the verb.
 
     The count is of the jobs the verb can change (a requeue touches failed jobs only);
-    the others the selection matches are named as left alone.
+    the others the selection matches are named as left alone. ``warning`` is shown
+    above the button (what will likely happen next).
     """
     if submitted is None:
         submitted = request.method == "POST" and "confirm" in request.POST
@@ -102,7 +103,7 @@ def confirm_bulk(request, admin_site, verb, queryset, *, scope, back, title, ids
     others = matched.count() - count if verb.applies is not None else 0
     if others:
         scope = [*scope, f"{others} other job{'s' if others != 1 else ''} in this selection"
-                         f" {'are' if others != 1 else 'is'} not {verb.applies_to}: left alone"]
+                         f" {'are' if others != 1 else 'is'} {verb.left_alone}: left alone"]
     errors = []
     if submitted:
         reason = form_reason(request)
@@ -125,6 +126,7 @@ def confirm_bulk(request, admin_site, verb, queryset, *, scope, back, title, ids
     ctx = context(
         request, admin_site, title, "jobs",
         verb=verb, count=count, scope=scope, back=back, errors=errors, example=example,
+        warning=warning,
         sample=[{"pk": pk, "workflow": wf, "state": st, "url": job_url(admin_site, pk)}
                 for pk, wf, st in sample],
         more=max(count - SAMPLE_KEYS, 0), ids=ids,

@@ -10,20 +10,25 @@ PALETTE = ["#417690", "#e7a33e", "#5b8c5a", "#b35c44", "#79aec8", "#8e6c8a", "#c
 OTHER = "#bbb"
 
 
-def hbar_chart(items, width=520, bar=18, gap=10, label_width=170):
-    """Geometry of a horizontal bar chart of ``(label, Decimal)`` items, largest first."""
+def hbar_chart(items, width=520, bar=16, gap=12, label_height=17, value_room=110):
+    """Geometry of a horizontal bar chart of ``(label, Decimal)`` items, largest first.
+
+    Each label is written above its bar, from the left edge, so a long step name has the
+    chart's whole width and is never cut at the start.
+    """
     top = max((v for _, v in items), default=Decimal(0))
-    room = width - label_width - 90
+    room = width - value_room
+    row = label_height + bar + gap
     bars = []
     for i, (label, value) in enumerate(items):
-        length = float(value / top) * room if top else 0
+        length = max(float(value / top) * room if top else 0, 1.0)
+        y = i * row + label_height
         bars.append({
-            "label": label, "value": value, "y": i * (bar + gap), "width": max(length, 1.0),
-            "text_x": label_width + max(length, 1.0) + 6, "text_y": i * (bar + gap) + bar * 0.72,
+            "label": label, "value": value, "y": y, "width": length,
+            "label_y": i * row + 12, "text_x": length + 6, "text_y": y + bar * 0.8,
             "color": PALETTE[0],
         })
-    return {"bars": bars, "width": width, "height": max(len(items) * (bar + gap) - gap, 0),
-            "bar": bar, "label_width": label_width, "label_x": label_width - 8}
+    return {"bars": bars, "width": width, "height": max(len(items) * row - gap, 0), "bar": bar}
 
 
 def nice_ceiling(value):

@@ -16,6 +16,7 @@ from ..exceptions import DurableError
 from ..models import Job, Outbox
 from ..workflows import registry
 from .base import (
+    JOB_KINDS,
     admin_url,
     back_to,
     context,
@@ -83,7 +84,7 @@ def dashboard(request, admin_site):
     failures = [
         {"group": g,
          "requeue_url": admin_url(admin_site, "durable_requeue_group", g.fingerprint),
-         "jobs_url": jobs_url(admin_site, failure=g.fingerprint)}
+         "jobs_url": jobs_url(admin_site, failure=g.fingerprint), "poison": is_poison(g)}
         for g in status["failures"]
     ]
     stuck = [{**row, "url": job_url(admin_site, row["id"])} for row in status["stuck"]]
@@ -111,17 +112,36 @@ def dashboard(request, admin_site):
         can_pause=request.user.has_perm("durable.pause_workflow"),
         pause_url=admin_url(admin_site, "durable_pause"),
         stuck_url=jobs_url(admin_site, stuck="yes"),
-        failed_url=jobs_url(admin_site, failed="yes"),
-        human_url=jobs_url(admin_site, human="yes"),
+        kinds=kind_counters(admin_site, workflow),
         approvals_url=tab_url(admin_site, "approvals"),
         reconcile_url=admin_url(admin_site, "durable_reconcile"),
         costs_url=admin_url(admin_site, "durable_costs"),
-        human_total=Job.objects.filter(reports.waiting_for_human_q(workflow)).count(),
         unknown_total=reports.scoped(Outbox.objects.unknown(), workflow, "job__workflow").count(),
         # One per job awaiting approval, expired proposals included: the tiles' count.
         pending_approvals=reports.awaiting_decision(workflow).count(),
     )
     return TemplateResponse(request, "admin/durable/dashboard.html", ctx)
+
+
+# The dashboard's counters of jobs by kind, in order: (key in JOB_KINDS, label, hint, style).
+COUNTERS = (
+    ("failed", "failed", "wait for a requeue", "bad"),
+    ("person", "waiting for a human", "a question or an approval", "warn"),
+    ("signal", "waiting for a signal", "a message from outside", ""),
+    ("children", "waiting for children", "their child jobs to finish", ""),
+    ("timer", "waiting for a time", "a durable timer", ""),
+)
+
+
+def kind_counters(admin_site, workflow):
+    """The counters of jobs by kind, each linked to the job list filtered by that kind."""
+    counters = []
+    for key, label, hint, style in COUNTERS:
+        count = Job.objects.filter(JOB_KINDS[key].q(workflow)).count()
+        filters = {"kind": key, **({"workflow": workflow} if workflow else {})}
+        counters.append({"key": key, "label": label, "hint": hint, "count": count,
+                         "style": style if count else "", "url": jobs_url(admin_site, **filters)})
+    return counters
 
 
 def alert_link(admin_site, alert):
@@ -159,11 +179,21 @@ def requeue_group(request, admin_site, fingerprint):
         f"Jobs in {', '.join(sorted(group.states))}, failed between "
         f"{group.first_seen:%Y-%m-%d %H:%M:%S} and {group.last_seen:%Y-%m-%d %H:%M:%S} UTC",
     ]
+    warning = ""
+    if is_poison(group):
+        warning = ("This cause is marked poison: the step failed the same way without a retry, "
+                   "because trying again cannot help. Requeued as they are, these jobs read the "
+                   "same input and fail again, unless the code or the data changed since.")
     return confirm_bulk(
         request, admin_site, VERBS["requeue"], reports.jobs_in_failure_group(fingerprint, group=group),
         scope=scope, back=back, title=f"Requeue {group.count} jobs failing for one cause",
-        example=group.example,
+        example=group.example, warning=warning,
     )
+
+
+def is_poison(group):
+    """Whether a failure group's cause is poison: a deterministic failure, not retried."""
+    return (group.example or "").rstrip().endswith("(poison)")
 
 
 # Pause / resume --------------------------------------------------------------------------

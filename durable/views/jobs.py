@@ -17,13 +17,25 @@ from django.http import Http404, HttpResponseRedirect
 from django.shortcuts import get_object_or_404
 from django.template.response import TemplateResponse
 
-from .. import formats, locking, reports, services
+from .. import answers, formats, locking, reports, services
 from ..conf import durable_settings
 from ..exceptions import DurableError, OperatorError
-from ..models import Job, Pause, Signal, StepResult
+from ..models import Job, OutboxStatus, Pause, Signal, StepResult
 from ..states import CANCELLED, CLAIMABLE_KINDS, StateKind
 from ..workflows import registry
-from .base import admin_url, context, form_reason, job_url, jobs_url, require, show_json, url_or_blank
+from . import waits as job_waits
+from .answers import answer_form
+from .base import (
+    admin_url,
+    context,
+    form_reason,
+    job_url,
+    jobs_url,
+    require,
+    short_hashes,
+    show_json,
+    url_or_blank,
+)
 
 
 def _grant(job_id, *, user, reason, turns=0, budget=None):
@@ -52,24 +64,33 @@ class Verb:
     applies_to: str = ""
     # How the refusal names it: "You may not <what> jobs".
     what: str = ""
+    # The jobs it leaves alone, in words: "1 other job in this selection is <left_alone>".
+    left_alone: str = ""
+
+
+# A wait retried early only parks again (and its history would say it was woken): a
+# signal, its children or its deadline move it, never "Retry now".
+RETRYABLE_KINDS = CLAIMABLE_KINDS - {StateKind.SIGNAL, StateKind.JOIN}
 
 
 def _retryable():
-    return reports.kind_q(*CLAIMABLE_KINDS) & ~Q(lease_until__gte=Now())
+    return reports.kind_q(*RETRYABLE_KINDS) & ~Q(lease_until__gte=Now())
 
 
 VERBS = {
     "requeue": Verb("requeue", "Requeue", "requeued", "durable.requeue_job", services.requeue,
                     services.bulk_requeue, "Send it back along the retry edge with fresh attempts.",
-                    reports.failed_q, "in a failed state", "requeue"),
+                    reports.failed_q, "in a failed state", "requeue", "not in a failed state"),
     "retry": Verb("retry", "Retry now", "is due now", "durable.retry_job", services.retry_now,
                   services.bulk_retry_now, "Clear the backoff or timer so a worker runs it at once.",
-                  _retryable, "waiting for a worker, without a live lease", "retry"),
+                  _retryable, "waiting for a worker, without a live lease", "retry",
+                  "running now, waiting for a signal or children, or not for a worker"),
     "cancel": Verb("cancel", "Cancel", "cancelled", "durable.cancel_job", services.cancel,
                    services.bulk_cancel, "Stop it for good; unsent actions are withdrawn.",
-                   reports.unfinished_q, "not finished yet", "cancel"),
-    "send_back": Verb("send_back", "Send back", "sent back", "durable.send_back_job",
-                      services.send_back, None, "Return it to a state the table allows.",
+                   reports.unfinished_q, "unfinished", "cancel", "finished already"),
+    "send_back": Verb("send_back", "Run again", "sent back", "durable.send_back_job",
+                      answers.send_back, None,
+                      "Let a step decide anew: it runs again, with the steps after it.",
                       what="send back"),
     "grant": Verb("grant", "Grant", "granted more", "durable.grant_job", _grant, None,
                   "Give the agent more turns or budget and let it go on.", what="grant more to"),
@@ -140,7 +161,7 @@ def timeline(job):
             "at": e.at, "order": (0, e.pk), "source": "event", "kind": e.kind,
             "label": ACTION_PHASES.get(phase, e.get_kind_display()) if e.kind == "action"
             else e.get_kind_display(), "from": e.from_state, "to": e.to_state,
-            "step": e.step, "actor": e.actor, "message": e.message,
+            "step": e.step, "actor": e.actor, "message": short_hashes(e.message),
             "details": _event_details(e.data),
         })
     for m in job.steps.order_by("at"):
@@ -208,13 +229,15 @@ def _available_verbs(job, definition, user, lease):
     found = []
     if kind == StateKind.FAILED:
         found.append("requeue")
-    if kind is not None and kind.is_claimable and lease["state"] != "live":
+    if kind in RETRYABLE_KINDS and lease["state"] != "live":
         found.append("retry")
     if kind == StateKind.HUMAN:
         found.append("send_back")
         if getattr(definition, "runs_itself", False):
             found.append("grant")
-    if kind not in (None, StateKind.TERMINAL):
+    # An action that may have happened is settled in Reconciliation (whose Cancel records
+    # that decision), not cancelled from under it here.
+    if kind not in (None, StateKind.TERMINAL, StateKind.UNKNOWN):
         found.append("cancel")
     return [VERBS[v] for v in found if user.has_perm(VERBS[v].permission)]
 
@@ -240,12 +263,16 @@ def job_detail(request, model_admin, object_id):
             if can_replay and step_def is not None and not step_def.action else "",
         })
     actions = [{"row": a, "payload": show_json(a.payload, user)} for a in job.actions.order_by("id")]
+    unknown_actions = [item["row"] for item in actions if item["row"].status == OutboxStatus.UNKNOWN]
+    reconcile_url = url_or_blank(admin_site, "durable_reconcile")
+    if reconcile_url and len(unknown_actions) == 1:
+        reconcile_url += f"#action-{unknown_actions[0].pk}"
     from .approvals import story
 
     rows = list(job.approvals.select_related("decided_by").order_by("id"))
     approvals = [{"row": a, "proposal": show_json(a.proposal, user),
                   "url": url_or_blank(admin_site, "durable_approval", a.pk),
-                  "story": story(a, now, later=rows[i + 1:])}
+                  "story": short_hashes(story(a, now, later=rows[i + 1:]))}
                  for i, a in enumerate(rows)]
     # A job awaiting approval whose proposal expired waits for "Prepare again" on its page.
     waiting_on = None
@@ -269,8 +296,16 @@ def job_detail(request, model_admin, object_id):
 
         agent = turns_of(job, show=lambda value: show_json(value, user, limit=2000))
     send_back_to = []
-    if definition and kind == StateKind.HUMAN:
-        send_back_to = [s for s in definition.table.edges[job.state] if s != CANCELLED]
+    answer = answer_form(admin_site, job, user) if kind == StateKind.HUMAN else None
+    if answer is not None:
+        send_back_to = [(a["state"], f"{a['step']} (the step that asked)" if a["asked"]
+                         else f"{a['step']} (and every step after it)") for a in answer["again"]]
+    elif definition and kind == StateKind.HUMAN:
+        table = definition.table
+        send_back_to = [(s, f"{table.step_starting_at(s).step} again" if table.step_starting_at(s)
+                         else s) for s in table.edges[job.state] if s != CANCELLED]
+    waits = job_waits.open_waits(job.pk)
+    signal_names = job_waits.signal_names(waits)
     ctx = context(
         request, admin_site, f"Job {job.pk}", "jobs",
         job=job, original=job, object_id=object_id, definition=definition,
@@ -279,10 +314,13 @@ def job_detail(request, model_admin, object_id):
         timeline=timeline(job),
         table=table_rows(job, definition.table) if definition else [],
         memos=memos, actions=actions, approvals=approvals, agent=agent, waiting_on=waiting_on,
+        unknown_actions=unknown_actions, reconcile_url=reconcile_url,
+        waiting_for=job_waits.waiting_on(job, kind, waits), signal_names=signal_names,
         payload=show_json(job.payload, user),
         result=show_json(job.result, user) if job.result is not None else None,
         verbs=_available_verbs(job, definition, user, lease),
-        send_back_to=send_back_to,
+        send_back_to=send_back_to, answer=answer,
+        last_error=short_hashes(job.last_error),
         inbox=inbox, inbox_count=job.inbox.count(), children=children, child_count=child_count,
         open_children=open_children,
         children_url=jobs_url(admin_site, parent=job.pk),
@@ -364,11 +402,17 @@ def job_signal(request, model_admin, object_id):
     except DurableError as exc:
         messages.error(request, f"Deliver a signal refused: {exc}. Nothing was changed.")
     else:
+        unread = job_waits.unread_warning(
+            name, job_waits.signal_names(job_waits.open_waits(job_id)))
         if sig.duplicate:
             messages.warning(request, f"Signal {name} with this dedupe key was delivered before; "
                                       "nothing new was written.")
+        elif unread:
+            messages.warning(request, f"Signal {name} was written to job {job_id}'s inbox, but "
+                                      f"nothing reads it now. {unread}")
         else:
-            messages.success(request, f"Signal {name} delivered to job {job_id}.")
+            messages.success(request, f"Signal {name} delivered to job {job_id}; the wait that "
+                                      "reads it is due now.")
     return HttpResponseRedirect(back)
 
 

@@ -14,7 +14,7 @@ from decimal import Decimal
 
 from durable import PermanentError, RetryableError
 
-# Prices per thousand tokens, like a hosted model's price list.
+# Prices per thousand tokens, in US dollars like a hosted model's price list (DURABLE["CURRENCY"]).
 INPUT_PRICE = Decimal("0.0030")
 OUTPUT_PRICE = Decimal("0.0150")
 # Share of first attempts that find the model overloaded.
@@ -44,7 +44,7 @@ def tokens(text):
 
 
 def price(input_tokens, output_tokens):
-    """What a call costs, in euros, as a Decimal (money is never a float)."""
+    """What a call costs, in US dollars, as a Decimal (money is never a float)."""
     cost = (INPUT_PRICE * input_tokens + OUTPUT_PRICE * output_tokens) / 1000
     return cost.quantize(Decimal("0.000001"))
 

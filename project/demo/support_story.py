@@ -18,7 +18,7 @@ from django.conf import settings
 from django.db.models import Sum
 from django.urls import reverse
 
-from durable import services
+from durable import formats, services
 from durable.fake_openai import turn_of
 from durable.models import Approval, EventKind, Job, JobEvent, Outbox, StepResult
 from durable.testing import FakeModelServer, ReceiverProcess, read_store
@@ -142,9 +142,10 @@ class SupportStory:
         self.say("   cost per model call:")
         for memo in memos.order_by("job_id", "seq"):
             self.say(f"      {memo.job_id:24} {memo.step:9} {memo.model:11} {memo.input_tokens:5} in"
-                     f" {memo.output_tokens:4} out  {memo.cost:.6f} EUR")
+                     f" {memo.output_tokens:4} out  {formats.money(memo.cost)}")
         total = memos.aggregate(total=Sum("cost"))["total"] or Decimal(0)
-        self.say(f"      {'total':24} {'':9} {'':11} {'':5}    {'':4}      {total:.6f} EUR")
+        # Model cost is in DURABLE["CURRENCY"] (the price list's), as the console writes it.
+        self.say(f"      {'total':24} {'':9} {'':11} {'':5}    {'':4}  {formats.money(total)}")
 
     def proposals(self):
         """The refunds waiting for a person: (approval, console path)."""
@@ -156,5 +157,6 @@ class SupportStory:
             self.say(f"   {'refund proposal':15} {base}{path}")
             self.say(f"   {'':15} {approval.summary}")
             self.say(f"   {'':15} (tool call {approval.step} of {approval.job_id}: approve it and"
-                     " the refund is sent, reject it with a note and the agent reads the note)")
+                     " the refund is sent; reject it and the agent reads the message to the"
+                     " model, never your reason)")
 

@@ -7,6 +7,7 @@ line to the file named in the payload's ``log``, so a test counts how often each
 really ran.
 """
 
+import json
 import os
 import time
 from decimal import Decimal
@@ -97,3 +98,55 @@ class LongAgent(SupportAgent):
     name = "test_agent_long"
     max_turns = 1000
     budget = None
+
+
+# An agent whose refunds are checked against the shop's records right before they are sent.
+# The records are a JSON file named in the payload (``orders``), so a test (and the worker
+# subprocesses it starts) can change an order between approval and dispatch.
+
+
+def write_orders(path, orders):
+    with open(path, "w") as f:
+        json.dump(orders, f)
+
+
+def _orders(ctx):
+    with open(ctx.payload["orders"]) as f:
+        return json.load(f)
+
+
+@tool
+def read_order(ctx, order_id: str) -> dict:
+    """Read an order from the shop's records."""
+    order = _orders(ctx).get(order_id)
+    if order is None:
+        raise ToolError(f"no order {order_id}")
+    return {"order_id": order_id, **order}
+
+
+def order_record(ctx, arguments):
+    """The order a refund is about, read from the shop's records now."""
+    return _orders(ctx).get(arguments["order_id"])
+
+
+@tool(action="refund", approval=True, prepared_from=order_record, retry=FAST)
+def refund_order(ctx, order_id: str, amount: float, reason: str = "") -> Action:
+    """Refund an order (a person approves it first; the order is read again before sending)."""
+    if order_id not in _orders(ctx):
+        raise ToolError(f"no order {order_id} to refund")
+    return Action("test_receiver", "refund", {"order": order_id, "amount": amount,
+                                              "reason": reason},
+                  summary=f"Refund {amount:.2f} to order {order_id}")
+
+
+@tool(action="credit", approval=True, prepared_from=[read_order], retry=FAST)
+def store_credit(ctx, order_id: str, amount: int) -> Action:
+    """Give store credit for an order (prepared from what read_order returned)."""
+    return Action("test_receiver", "credit", {"order": order_id, "amount": amount})
+
+
+class RecordsAgent(SupportAgent):
+    """The support agent with refunds prepared from the shop's records."""
+
+    name = "test_agent_records"
+    tools = [read_order, refund_order, store_credit]

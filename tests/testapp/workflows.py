@@ -136,6 +136,7 @@ from . import (  # noqa: E402, F401
     actions_workflows,
     agent_workflows,
     approval_workflows,
+    burst_workflows,
     drill_workflows,
     operator_workflows,
     thread_workflows,

@@ -13,7 +13,8 @@ from durable.workflows import registry
 
 class Command(BaseCommand):
     help = ("Inspect and operate durable: status [--check] | graph WORKFLOW | "
-            "requeue|cancel|retry JOB... | grant JOB --turns N --budget X | purge | rollup |"
+            "requeue|cancel|retry JOB... | grant JOB --turns N --budget X |"
+            " question|answer|send-back JOB | purge | rollup |"
             " schedules [pause|resume|run NAME]")
 
     def add_arguments(self, parser):
@@ -31,6 +32,7 @@ class Command(BaseCommand):
         grant.add_argument("--budget", default=None, help="More money (added to its budget).")
         grant.add_argument("--reason", required=True, help="Recorded in the job's history.")
         grant.add_argument("--user", default="cli", help="Who is acting (recorded).")
+        add_answer_arguments(sub)
         add_purge_arguments(sub)
         add_status_arguments(sub)
         add_schedules_arguments(sub)
@@ -39,7 +41,7 @@ class Command(BaseCommand):
                                       "cron where no worker runs for long).")
 
     def handle(self, *args, verb, **options):
-        return getattr(self, f"do_{verb}")(**options)
+        return getattr(self, f"do_{verb.replace('-', '_')}")(**options)
 
     def do_rollup(self, **options):
         from durable import rollups
@@ -77,7 +79,8 @@ class Command(BaseCommand):
                 job = service(job_id, user=user, reason=reason)
             except DurableError as exc:
                 failed += 1
-                self.stderr.write(f"{job_id}: {exc}")
+                hint = where_to_go(job_id)
+                self.stderr.write(f"{job_id}: {exc}" + (f"\n  {hint}" if hint else ""))
             else:
                 self.stdout.write(f"{job_id}: {done} ({job.state})")
         if failed:
@@ -91,6 +94,66 @@ class Command(BaseCommand):
 
     def do_retry(self, jobs, reason, user, **options):
         self._each(services.retry_now, jobs, reason, user, "due now")
+
+    def do_question(self, job, **options):
+        from durable import answers
+        from durable.models import Job
+
+        found = Job.objects.filter(pk=job).first()
+        q = answers.question(found) if found is not None else None
+        if q is None:
+            raise CommandError(f"{job}: no question waits for an answer. {where_to_go(job)}")
+        self.stdout.write(f"{job}: step {q.step} asks: {q.question}")
+        self.stdout.write("the value it asked about:")
+        self.stdout.write(json.dumps(q.value, cls=DjangoJSONEncoder, indent=2, ensure_ascii=False))
+        self.stdout.write(f"answer:    manage.py durable answer {job} --set FIELD=VALUE --reason WHY")
+        steps = ", ".join(name for name, _ in q.again)
+        self.stdout.write(f"run again: manage.py durable send-back {job} [--step STEP] --reason WHY"
+                          f" (steps: {steps})")
+
+    def do_answer(self, job, set_fields, value, reason, user, **options):
+        from durable import answers
+        from durable.models import Job
+
+        found = Job.objects.filter(pk=job).first()
+        q = answers.question(found) if found is not None else None
+        try:
+            if q is None:
+                raise DurableError(f"no question of job {job} waits for an answer")
+            if (value is None) == (not set_fields):
+                raise CommandError("give the answer as --set FIELD=VALUE (one or more) or as --json")
+            if value is not None:
+                try:
+                    answer = json.loads(value)
+                except ValueError as exc:
+                    raise CommandError(f"--json is not JSON ({exc}); nothing was changed") from None
+            else:
+                pairs = [item.partition("=") for item in set_fields]
+                if any(not sep for _, sep, _ in pairs):
+                    raise CommandError("--set takes FIELD=VALUE; nothing was changed")
+                answer = answers.from_fields(q.value, {k: v for k, _, v in pairs})
+            done = answers.answer(job, answer, user=user, reason=reason)
+        except DurableError as exc:
+            raise CommandError(f"{job}: {exc}; nothing was changed. {where_to_go(job)}") from None
+        self.stdout.write(f"{job}: answered; {q.step} holds the answer and the job goes on"
+                          f" ({done.state}, due now)")
+
+    def do_send_back(self, job, step, reason, user, **options):
+        from durable import answers
+        from durable.models import Job
+
+        found = Job.objects.filter(pk=job).first()
+        q = answers.question(found) if found is not None else None
+        try:
+            if q is None:
+                if step:
+                    raise DurableError(f"job {job} has no step's question, so --step cannot apply")
+                done = answers.send_back(job, user=user, reason=reason)
+            else:
+                done = answers.ask_again(job, step=step or None, user=user, reason=reason)
+        except DurableError as exc:
+            raise CommandError(f"{job}: {exc}; nothing was changed. {where_to_go(job)}") from None
+        self.stdout.write(f"{job}: sent back; it runs again from {done.state}")
 
     def do_purge(self, older_than, batch_size, keep_costs, workflow, dry_run, **options):
         from durable import rollups
@@ -184,7 +247,7 @@ def schedule_lines(rows):
                 f" overlap {r['overlap'] or '-'}]"]
         out.append(f"  next tick  {_when(r['next_tick'])}")
         run = r["last_run"]
-        out.append(f"  last run   {run['job']} ({run['outcome']}: {run['state']})" if run
+        out.append(f"  last run   {run['job']} ({_run_words(run)})" if run
                    else "  last run   none yet")
         out.append(f"  missed     {r['missed']}" + (f", {r['queued']} queued" if r["queued"] else ""))
         if r["paused"]:
@@ -194,6 +257,65 @@ def schedule_lines(rows):
             e = r["last_decision"]
             out.append(f"  decision   {_when(e.at)} {e.kind}: {e.message}")
     return out
+
+
+def add_answer_arguments(sub):
+    p = sub.add_parser("question", help="Show what a job waiting for a person asks.")
+    p.add_argument("job")
+    p = sub.add_parser("answer", help="Answer a job's question: the value the step asked about,"
+                                      " corrected; the job goes on.")
+    p.add_argument("job")
+    p.add_argument("--set", dest="set_fields", action="append", default=[], metavar="FIELD=VALUE",
+                   help="Correct one field (repeat for more); the others keep their value.")
+    p.add_argument("--json", dest="value", default=None, help="The whole answer as JSON.")
+    p.add_argument("--reason", required=True, help="Recorded in the job's history.")
+    p.add_argument("--user", default="cli", help="Who is acting (recorded).")
+    p = sub.add_parser("send-back", help="Run the step that asked (or an earlier one) again.")
+    p.add_argument("job")
+    p.add_argument("--step", default="", help="The step to run again from (default: the one"
+                                              " that asked).")
+    p.add_argument("--reason", required=True, help="Recorded in the job's history.")
+    p.add_argument("--user", default="cli", help="Who is acting (recorded).")
+
+
+def where_to_go(job_id):
+    """Where a person acts on ``job_id`` next, in one sentence ("" when nothing is needed)."""
+    from durable import answers
+    from durable.models import Job
+    from durable.states import StateKind
+
+    job = Job.objects.filter(pk=job_id).first()
+    if job is None:
+        return "There is no such job: check the key (manage.py durable status lists the stuck ones)."
+    kind = registry.kind_of(job.workflow, job.state)
+    if kind is None:
+        return f"Its workflow {job.workflow} or state {job.state} is not registered in this process."
+    if answers.question(job) is not None:
+        return (f"It waits for a person's answer: see manage.py durable question {job_id}, then"
+                f" durable answer {job_id} --set FIELD=VALUE or durable send-back {job_id}.")
+    hints = {
+        StateKind.HUMAN: (f"It waits for a person: manage.py durable grant {job_id} (an agent),"
+                          f" durable send-back {job_id}, or durable cancel {job_id}."),
+        StateKind.FAILED: f"It failed: manage.py durable requeue {job_id} once the cause is fixed.",
+        StateKind.APPROVAL: "It waits for a decision on its proposal: the console's Approvals page.",
+        StateKind.UNKNOWN: ("Its action's outcome is unknown: decide what happened on the"
+                            " console's Reconciliation page."),
+        StateKind.IN_FLIGHT: "Its action is being sent: the dispatcher moves it next.",
+        StateKind.SIGNAL: "It waits for a signal: durable.signal() or the job's page delivers one.",
+        StateKind.JOIN: "It waits for its child jobs to finish.",
+        StateKind.TERMINAL: f"It finished ({job.state}): nothing is left to do.",
+    }
+    return hints.get(kind, f"It is {job.state}: a worker runs it next.")
+
+
+def _run_words(run):
+    """How a schedule's last run stands: "succeeded", "failed in state failed_fetch", ..."""
+    outcome, state = run["outcome"], run["state"]
+    if outcome == "going":
+        return f"still running, in state {state}"
+    if state == outcome or not state:
+        return outcome
+    return f"{outcome}, in state {state}"
 
 
 def add_schedules_arguments(sub):

@@ -1,5 +1,6 @@
 /* The console's only script: opt-in auto-refresh that pauses while the tab is hidden,
-   and a confirmation before destructive buttons. Pages work without it. */
+   a confirmation before destructive buttons, and a warning on a signal nobody reads.
+   Pages work without it. */
 (function () {
   "use strict";
 
@@ -8,6 +9,38 @@
     if (button && !window.confirm(button.getAttribute("data-confirm"))) {
       event.preventDefault();
     }
+  });
+
+  /* A signal name no open wait of the job reads: say so while it is typed, and ask
+     before it is delivered (the server says so again after). */
+  Array.prototype.forEach.call(document.querySelectorAll("input[data-waited]"), function (input) {
+    var waited = input.getAttribute("data-waited").split("|").filter(Boolean);
+    var warning = document.getElementById(input.getAttribute("aria-describedby"));
+    var button = input.form && input.form.querySelector("button[type=submit]");
+    function check() {
+      var name = input.value.trim();
+      var unread = name !== "" && waited.indexOf(name) < 0;
+      var text = "";
+      if (unread) {
+        text = waited.length
+          ? "No wait of this job reads \u201c" + name + "\u201d: it waits for \u201c" +
+            waited.join("\u201d, \u201c") + "\u201d. Delivered, it stays unread."
+          : "This job waits for no signal now: \u201c" + name + "\u201d would stay unread.";
+      }
+      if (warning) {
+        warning.textContent = text;
+        warning.hidden = !unread;
+      }
+      if (button) {
+        if (unread) {
+          button.setAttribute("data-confirm", text + " Deliver it anyway?");
+        } else {
+          button.removeAttribute("data-confirm");
+        }
+      }
+    }
+    input.addEventListener("input", check);
+    check();
   });
 
   var box = document.getElementById("durable-autorefresh");

@@ -27,7 +27,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db.models import Count, Sum
 from django.urls import NoReverseMatch, reverse
 
-from durable import services
+from durable import formats, services
 from durable.models import EventKind, Job, JobEvent, Outbox, StepResult
 from durable.states import StateKind
 from durable.testing import ReceiverProcess, read_store
@@ -261,7 +261,9 @@ class Command(BaseCommand):
         self.say(f"   transient failures retried  {retries}")
         memos = StepResult.objects.filter(job_id__in=keys)
         cost = memos.aggregate(total=Sum("cost"))["total"] or Decimal(0)
-        self.say(f"   model cost                  {cost:.4f} EUR"
+        # The model's price list is in DURABLE["CURRENCY"], as the console writes it; deals
+        # and refunds are in the shop's own currency (EUR).
+        self.say(f"   model cost                  {formats.money(cost)}"
                  f" over {memos.filter(step='extract').count()} extractions")
         records = [r for r in read_store(crm.store_path) if r["body"].get("type") != "ticket"]
         distinct = len({r["key"] for r in records})
