@@ -20,7 +20,7 @@ from decimal import Decimal
 
 from django.db import transaction
 
-from .agent_run import Turn, fingerprint
+from .agent_run import Turn, fingerprint, tool_keys, tool_message
 from .children import child_id
 from .llm import ModelReply
 from .models import Approval, MemoKind, Outbox, OutboxStatus, StepResult
@@ -308,17 +308,8 @@ class _ReplayContext:
         return self._replay.memo(self._replay.key(key)).output
 
     def call_tools(self, calls, *, turn=0, prefix=""):
-        calls = list(getattr(calls, "tool_calls", calls))
-        messages, seen = [], set()
-        for index, call in enumerate(calls):
-            ident = str(call.id or index)
-            if ident in seen:
-                ident = f"{ident}#{index}"
-            seen.add(ident)
-            result = self.tool(call, key=f"{prefix}tool/{ident}", turn=turn)
-            messages.append({"role": "tool", "tool_call_id": call.id,
-                             "content": json.dumps(result, sort_keys=True, default=str)})
-        return messages
+        return [tool_message(call, self.tool(call, key=key, turn=turn))
+                for key, call in tool_keys(calls, prefix)]
 
     def patched(self, name):
         replay = self._replay

@@ -433,21 +433,9 @@ class AgentContext:
         Every proposal of the turn is written before any of them is decided, and the run
         resumes only when all are decided.
         """
-        calls = list(getattr(calls, "tool_calls", calls))
-        keyed, seen = [], set()
-        for index, call in enumerate(calls):
-            ident = str(call.id or index)
-            if ident in seen:
-                ident = f"{ident}#{index}"
-            seen.add(ident)
-            keyed.append((f"{prefix}tool/{ident}", call))
+        keyed = tool_keys(calls, prefix)
         agent_actions.propose_turn(self._run, keyed, turn)
-        messages = []
-        for key, call in keyed:
-            result = self.tool(call, key=key, turn=turn)
-            messages.append({"role": "tool", "tool_call_id": call.id,
-                             "content": json.dumps(result, sort_keys=True, default=str)})
-        return messages
+        return [tool_message(call, self.tool(call, key=key, turn=turn)) for key, call in keyed]
 
     def patched(self, name):
         """True on runs that reach this point with the new code; False on runs that passed it before.
@@ -466,6 +454,28 @@ class AgentContext:
         run.commit(key, MemoKind.PATCH, str(name)[:100], "", True, turn=0,
                    duration=datetime.timedelta(0))
         return True
+
+
+def tool_keys(calls, prefix=""):
+    """``[(memo key, call)]`` of a turn's tool calls, in the model's order.
+
+    A call's key is its id (its index when it has none); an id the model repeated in
+    one turn gets its index too, so each call has a memo of its own.
+    """
+    keyed, seen = [], set()
+    for index, call in enumerate(getattr(calls, "tool_calls", calls)):
+        ident = str(call.id or index)
+        if ident in seen:
+            ident = f"{ident}#{index}"
+        seen.add(ident)
+        keyed.append((f"{prefix}tool/{ident}", call))
+    return keyed
+
+
+def tool_message(call, result):
+    """The chat message that feeds a tool call's result back to the model."""
+    return {"role": "tool", "tool_call_id": call.id,
+            "content": json.dumps(result, sort_keys=True, default=str)}
 
 
 class Turn:

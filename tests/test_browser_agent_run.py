@@ -6,7 +6,7 @@ import durable
 from durable.models import Approval, Outbox
 from durable.testing import reply, tool_call
 from tests.test_browser_operator import DESKTOP, PHONE, overflow
-from tests.test_console_support import VIEW, make_user
+from tests.test_console_support import VIEW, log_in, make_user
 
 from .test_actions_support import in_state
 
@@ -31,12 +31,7 @@ def proposal(drive, receiver):
 def test_an_operator_follows_a_proposal_to_the_turn_and_reads_what_the_model_saw(page, live_server,
                                                                                  proposal):
     make_user("olga", *VIEW)
-    page.set_viewport_size(DESKTOP)
-    page.goto(f"{live_server.url}/admin/login/?next=/admin/durable/approvals/{proposal.pk}/")
-    page.fill("#id_username", "olga")
-    page.fill("#id_password", "password")
-    page.click("input[type=submit]")
-    page.wait_for_url(f"**/admin/durable/approvals/{proposal.pk}/")
+    log_in(page, live_server, "olga", to=f"/admin/durable/approvals/{proposal.pk}/", viewport=DESKTOP)
 
     support = page.locator("#proposal-turn")
     assert "lookup_order" in support.inner_text() and "delivered" in support.inner_text()

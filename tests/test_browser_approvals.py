@@ -14,6 +14,7 @@ from django.contrib.auth.models import Permission
 from durable import services
 from durable.models import Approval, ApprovalStatus, Job
 from tests.conftest import wait_for
+from tests.test_console_support import log_in as console_log_in
 from tests.testapp.approval_workflows import REFUNDS_URL_ENV, write_order
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
@@ -39,11 +40,7 @@ def make_staff(django_user_model, name, *codenames):
 
 
 def log_in(page, live_server, username):
-    page.goto(f"{live_server.url}/admin/login/?next=/admin/durable/approvals/")
-    page.fill("#id_username", username)
-    page.fill("#id_password", "secret-pw")
-    page.click("input[type=submit]")
-    page.wait_for_url("**/admin/durable/approvals/")
+    console_log_in(page, live_server, username, to="/admin/durable/approvals/", password="secret-pw")
 
 
 def test_staff_with_the_permission_approve_in_the_browser_and_runworkers_sends_once(

@@ -16,7 +16,7 @@ from durable import locking
 from durable.models import Approval, ApprovalStatus, Job, JobEvent, OutboxStatus
 from tests.conftest import ROOT
 from tests.test_actions_support import action
-from tests.test_console_support import OPERATE, ago, make_finished, make_job, make_user
+from tests.test_console_support import OPERATE, ago, log_in, make_finished, make_job, make_user
 
 pytest_plugins = ["tests.test_actions_support"]
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
@@ -45,14 +45,7 @@ def console(page, live_server):
     Olga may act and approve, but not read secrets in payloads (no view_payload).
     """
     make_user("olga", *[p for p in OPERATE if p != "view_payload"], "approve_proposal")
-    page.set_viewport_size(VIEWPORT)
-    page.goto(f"{live_server.url}/admin/login/?next=/admin/durable/dashboard/")
-    page.fill("#id_username", "olga")
-    page.fill("#id_password", "password")
-    page.click("input[type=submit]")
-    page.wait_for_url("**/admin/durable/dashboard/")
-    page.base = live_server.url
-    return page
+    return log_in(page, live_server, "olga", viewport=VIEWPORT)
 
 
 @pytest.fixture

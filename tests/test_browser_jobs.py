@@ -10,7 +10,7 @@ from django.db import transaction
 import durable
 from durable.models import Job, Signal, StepResult
 from tests.test_agents import call, calls, say
-from tests.test_console_support import OPERATE, make_job, make_memo, make_user
+from tests.test_console_support import OPERATE, log_in, make_job, make_memo, make_user
 from tests.test_engine import drain
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
@@ -22,14 +22,7 @@ DESKTOP = {"width": 1280, "height": 900}
 @pytest.fixture
 def console(page, live_server):
     make_user("olga", *OPERATE, "send_signal")
-    page.set_viewport_size(DESKTOP)
-    page.goto(f"{live_server.url}/admin/login/?next=/admin/durable/dashboard/")
-    page.fill("#id_username", "olga")
-    page.fill("#id_password", "password")
-    page.click("input[type=submit]")
-    page.wait_for_url("**/admin/durable/dashboard/")
-    page.base = live_server.url
-    return page
+    return log_in(page, live_server, "olga", viewport=DESKTOP)
 
 
 def job_page(page, key):

@@ -13,7 +13,14 @@ from django.db.models.functions import Now
 
 from durable import locking, services
 from durable.models import Approval, ApprovalStatus
-from tests.test_console_support import OPERATE, make_action, make_job, make_memo, make_user
+from tests.test_console_support import (
+    OPERATE,
+    log_in,
+    make_action,
+    make_job,
+    make_memo,
+    make_user,
+)
 from tests.testapp.approval_workflows import write_order
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
@@ -34,14 +41,7 @@ def proposal(tmp_path, refunds, run_worker_inline):
 @pytest.fixture
 def console(page, live_server):
     make_user("olga", *OPERATE, "approve_proposal")
-    page.set_viewport_size(DESKTOP)
-    page.goto(f"{live_server.url}/admin/login/?next=/admin/durable/dashboard/")
-    page.fill("#id_username", "olga")
-    page.fill("#id_password", "password")
-    page.click("input[type=submit]")
-    page.wait_for_url("**/admin/durable/dashboard/")
-    page.base = live_server.url
-    return page
+    return log_in(page, live_server, "olga", viewport=DESKTOP)
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from django.test import override_settings
 from durable import locking, schedules
 from durable.models import Job, ScheduleEvent, ScheduleState
 from tests.conftest import ROOT
-from tests.test_console_support import make_user
+from tests.test_console_support import log_in, make_user
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
@@ -36,12 +36,8 @@ def scheduled():
 
 def test_an_operator_reads_pauses_resumes_and_runs_a_schedule(page, live_server, scheduled):
     make_user("olga", "view_job", "pause_schedule", "run_schedule")
-    page.set_viewport_size({"width": 1440, "height": 900})
-    page.goto(f"{live_server.url}/admin/login/?next=/admin/durable/schedules/")
-    page.fill("#id_username", "olga")
-    page.fill("#id_password", "password")
-    page.click("input[type=submit]")
-    page.wait_for_url("**/admin/durable/schedules/")
+    log_in(page, live_server, "olga", to="/admin/durable/schedules/",
+           viewport={"width": 1440, "height": 900})
 
     crawl = page.locator("[data-schedule=nightly-crawl]")
     assert "At 03:00 every day (Europe/Berlin)" in crawl.inner_text()

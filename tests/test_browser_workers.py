@@ -8,7 +8,7 @@ import pytest
 import durable
 from durable.models import WorkerProcess
 from tests.test_browser_operator import PHONE, overflow
-from tests.test_console_support import make_user
+from tests.test_console_support import log_in, make_user
 from tests.test_threads import gates  # noqa: F401 - the fixture
 
 from .conftest import wait_for
@@ -27,11 +27,7 @@ def test_an_operator_sees_which_worker_runs_a_job_and_watches_it_drain(page, liv
     wait_for(lambda: any(s.get("job") == "held-7" for w in WorkerProcess.objects.all() for s in w.slots),
              message="the busy slot published")
 
-    page.goto(f"{live_server.url}/admin/login/?next=/admin/durable/dashboard/")
-    page.fill("#id_username", "olga")
-    page.fill("#id_password", "password")
-    page.click("input[type=submit]")
-    page.wait_for_url("**/admin/durable/dashboard/")
+    log_in(page, live_server, "olga")
     page.locator("nav.durable-tabs").get_by_role("link", name="Workers").click()
     page.wait_for_url("**/admin/durable/workers/")
 

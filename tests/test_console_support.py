@@ -110,3 +110,17 @@ def make_finished(specs, *, now=None, workflow=PIPELINE, state="delivered"):
         memo.at = when[memo.job_id, memo.step]
     StepResult.objects.bulk_update(memos, ["at"])
     return jobs
+
+
+def log_in(page, live_server, username, *, to="/admin/durable/dashboard/", viewport=None,
+           password="password"):
+    """Sign ``username`` in through the admin's login form in Chromium; the page lands on ``to``."""
+    if viewport:
+        page.set_viewport_size(viewport)
+    page.goto(f"{live_server.url}/admin/login/?next={to}")
+    page.fill("#id_username", username)
+    page.fill("#id_password", password)
+    page.click("input[type=submit]")
+    page.wait_for_url(f"**{to}")
+    page.base = live_server.url
+    return page
