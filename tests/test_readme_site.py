@@ -41,6 +41,14 @@ BURST_SECONDS = 60
 PAGE = b"<html><body><h1>Example Domain</h1><p>A page for use in examples.</p></body></html>"
 
 
+# The commands whose output the README prints; each is compared with the site's own.
+GRAPHS = ("durable graph research", "durable graph support-agent")
+# Every target a README block may name, besides files of the site's app (myapp/...).
+TARGETS = {"settings.py", "urls.py", "fake_model.py", "shell submit", "shell result",
+           "shell agent-submit", "shell approve", "shell task", "shell task-result",
+           *(f"output of {command}" for command in GRAPHS)}
+
+
 def site_blocks():
     """``{target: [code, ...]}`` of the README's marked blocks, in the README's order."""
     text = README.read_text(encoding="utf-8")
@@ -237,7 +245,7 @@ def test_a_new_site_built_from_the_readme_runs_every_sample(site, fake_model, pa
     # has no system check warnings, and the tables the README prints are the examples'.
     (submit,) = blocks["shell submit"]
     assert "https://example.org/a" in submit
-    graphs = ("durable graph research", "durable graph support-agent")
+    graphs = GRAPHS
     _, state = site.shell(
         submit.replace("https://example.org/a", document_server), *blocks["shell agent-submit"],
         *blocks["shell task"],
@@ -328,3 +336,10 @@ def test_an_unknown_destination_says_where_destinations_are_named(settings):
         destinations.get("payments")
     assert "'payments' (known: crm" in str(raised.value)
     assert 'DURABLE["DESTINATIONS"]' in str(raised.value)
+
+
+def test_every_block_marked_for_the_site_is_used_by_it():
+    """A block whose marker names no target the site reads would be run by no test."""
+    unused = [target for target in site_blocks()
+              if target not in TARGETS and not target.startswith("myapp/")]
+    assert not unused, f"README blocks marked for the site that it does not read: {unused}"
