@@ -24,6 +24,7 @@ from django.db.models.functions import Now
 from . import locking
 from .conf import durable_settings
 from .models import WorkerProcess
+from .process import process_of
 
 logger = logging.getLogger("durable.worker")
 
@@ -124,16 +125,11 @@ class Presence(threading.Thread):
                 name=self.process_name[:200], info=self.info, **fields)
 
 
-def supervisor_of(pid):
-    """What a child's row names its supervisor by: ``host:pid``."""
-    return f"{socket.gethostname()}:{pid}"
-
-
 def of_loop(role, loop, parent_pid=None):
     """The presence of a worker's or dispatcher's loop (``activity()``, ``stopping``, ``name``)."""
     info = {key: getattr(loop, key, None) for key in ("threads", "workflows", "queues", "burst")}
-    return Presence(role, name=loop.name, parent=supervisor_of(parent_pid) if parent_pid else "",
+    return Presence(role, name=loop.name, parent=process_of(parent_pid) if parent_pid else "",
                     info=info, activity=loop.activity, draining=lambda: loop.stopping)
 
 
-__all__ = ["Presence", "of_loop", "supervisor_of"]
+__all__ = ["Presence", "of_loop"]

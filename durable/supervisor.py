@@ -18,7 +18,6 @@ import multiprocessing
 import operator
 import os
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -463,7 +462,9 @@ class Burst:
         self._pokes += 1
 
     def own(self, pid):
-        self.owners.append(f"{socket.gethostname()}:{pid}:")
+        from .process import process_of
+
+        self.owners.append(f"{process_of(pid)}:")  # the start of its worker_id(), on leases
 
     def _scoped(self, q):
         from django.db.models import Q
