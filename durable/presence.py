@@ -39,8 +39,7 @@ class Presence(threading.Thread):
     threads (the supervisor: see ``durable.supervisor``) calls ``tick()`` from its loop.
     """
 
-    def __init__(self, role, *, name="", parent="", info=None, activity=None, draining=None,
-                 reconnect=False):
+    def __init__(self, role, *, name="", parent="", info=None, activity=None, draining=None):
         super().__init__(name="durable-presence", daemon=True)
         self.host = socket.gethostname()
         # The pid alone is reused by an operating system (and by every container's restart).
@@ -53,8 +52,6 @@ class Presence(threading.Thread):
         self.info = {**(info or {}), "beat": self.beat}
         self.activity = activity or list
         self.draining = draining or (lambda: False)
-        # A supervisor forks: it holds no connection between heartbeats.
-        self.reconnect = reconnect
         self._stop_event = threading.Event()
         self._due = 0.0
         self._drain_written = False
@@ -88,8 +85,7 @@ class Presence(threading.Thread):
     def _forget(self):
         with contextlib.suppress(Exception):
             WorkerProcess.objects.filter(pk=self.id).delete()
-        if self.reconnect:
-            connection.close()
+        connection.close()
 
     def _publish(self, draining):
         try:
@@ -109,8 +105,9 @@ class Presence(threading.Thread):
             self._failing = True
             connection.close()
         finally:
-            if self.reconnect:
-                connection.close()
+            # No connection is held between heartbeats: a fleet's processes would each keep
+            # one open for a write every few seconds (and a supervisor must not fork with one).
+            connection.close()
 
     def _write(self, draining):
         fields = {"heartbeat_at": Now(), "slots": self.activity()}

@@ -344,7 +344,7 @@ class Supervisor:
         # Written from this loop, never from a thread: the kernel sends the children their
         # parent-death signal once per thread of this process that ends, so a SIGKILL here
         # would tell each child twice (its second signal: exit now, mid-step).
-        self.presence = Presence("supervisor", name=worker_id("supervisor"), reconnect=True,
+        self.presence = Presence("supervisor", name=worker_id("supervisor"),
                                  info={"processes": self.processes, "threads": self.threads,
                                        "burst": self.burst},
                                  activity=self.activity, draining=lambda: self._stopping)
