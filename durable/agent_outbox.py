@@ -67,9 +67,7 @@ def step_of_row(row, workflow):
 def settle(ctx, output, *, actor, message, kind=EventKind.STEP_DONE, data=None):
     """The action's outcome becomes the tool call's memo; the run resumes (inside the transaction)."""
     st = ctx.step
-    if st.approval:  # only an approved call may have been edited by its approver
-        output = told_of_edits(ctx.job.pk, st.step_key, output)
-    _resume(ctx.job, ctx.row, st.step_key, st.tool_name, output,
+    _resume(ctx.job, ctx.row, st.step_key, st.tool_name, told_of_edits(ctx.job.pk, st.step_key, output),
             actor=actor, message=message, kind=kind, data=data, table=ctx.table)
 
 

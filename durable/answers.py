@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from django.db import transaction
 from django.db.models.functions import Now
 
-from . import locking, memos, services
+from . import audit, locking, memos, services
 from .conf import durable_settings
 from .exceptions import OperatorError
 from .identity import same_json, storable_json
-from .models import Job, StepResult
+from .models import EventKind, Job, StepResult
 from .states import StateKind
 from .workflows import registry
 
@@ -268,6 +268,12 @@ def send_back(job_id, *, to_state=None, user=None, reason=""):
 
 
 def _move(job, to, user, message, verb, data):
-    services.operator_move(job, to, user, message, verb, {
-        "attempts": 0, "next_run_at": Now(), "lease_until": None, "lease_owner": None,
-        "last_error": ""}, message=message, data=data)
+    ok = locking.transition(
+        job, to, actor=audit.actor(user), message=message, kind=EventKind.OPERATOR,
+        data={"verb": verb, **data},
+        fields={"attempts": 0, "next_run_at": Now(), "lease_until": None,
+                "lease_owner": None, "last_error": ""},
+    )
+    if not ok:
+        raise OperatorError(f"Job {job.pk} moved while you were acting on it; reload and retry")
+    audit.admin_log(user, job, f"{verb}: {job.state}. {message}")

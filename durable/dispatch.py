@@ -51,7 +51,7 @@ class Dispatcher(Drains):
 
     def __init__(self, *, name=None, burst=False, lease_seconds=None, poll_interval=None,
                  batch_size=None, threads=None, workflows=None, queues=None,
-                 until_stopped=False):
+                 wait_for_workers=True, until_stopped=False):
         super().__init__()
         self.name = name or worker_id("dispatcher")
         self.burst = burst
@@ -61,6 +61,7 @@ class Dispatcher(Drains):
         # Only used by burst mode, to know when the workers it runs beside are done.
         self.workflows = workflows or None
         self.queues = queues or None
+        self.wait_for_workers = wait_for_workers
         self.lease_seconds = float(lease_seconds or durable_settings.LEASE_SECONDS)
         self.batch_size = int(batch_size or durable_settings.DISPATCH_BATCH_SIZE)
         # One slot per thread: the actions in flight at once, each destination its share.
@@ -171,6 +172,8 @@ class Dispatcher(Drains):
         """Burst mode: nothing due now, and no job that could still produce an action now."""
         if Outbox.objects.due().exists():
             return False
+        if not self.wait_for_workers:
+            return True
         # Jobs being worked, or due and never leased since their last release. A job
         # whose lease expired (its worker died) is left out: burst workers may all have
         # exited, and waiting for it would never end; it stays visible as stuck.

@@ -24,7 +24,6 @@ from django.db.models.functions import Now
 from . import locking
 from .conf import durable_settings
 from .models import WorkerProcess
-from .process import process_of
 
 logger = logging.getLogger("durable.worker")
 
@@ -39,7 +38,8 @@ class Presence(threading.Thread):
     threads (the supervisor: see ``durable.supervisor``) calls ``tick()`` from its loop.
     """
 
-    def __init__(self, role, *, name="", parent="", info=None, activity=None, draining=None):
+    def __init__(self, role, *, name="", parent="", info=None, activity=None, draining=None,
+                 reconnect=False):
         super().__init__(name="durable-presence", daemon=True)
         self.host = socket.gethostname()
         # The pid alone is reused by an operating system (and by every container's restart).
@@ -52,6 +52,8 @@ class Presence(threading.Thread):
         self.info = {**(info or {}), "beat": self.beat}
         self.activity = activity or list
         self.draining = draining or (lambda: False)
+        # A supervisor forks: it holds no connection between heartbeats.
+        self.reconnect = reconnect
         self._stop_event = threading.Event()
         self._due = 0.0
         self._drain_written = False
@@ -85,7 +87,8 @@ class Presence(threading.Thread):
     def _forget(self):
         with contextlib.suppress(Exception):
             WorkerProcess.objects.filter(pk=self.id).delete()
-        connection.close()
+        if self.reconnect:
+            connection.close()
 
     def _publish(self, draining):
         try:
@@ -105,9 +108,8 @@ class Presence(threading.Thread):
             self._failing = True
             connection.close()
         finally:
-            # No connection is held between heartbeats: a fleet's processes would each keep
-            # one open for a write every few seconds (and a supervisor must not fork with one).
-            connection.close()
+            if self.reconnect:
+                connection.close()
 
     def _write(self, draining):
         fields = {"heartbeat_at": Now(), "slots": self.activity()}
@@ -122,11 +124,16 @@ class Presence(threading.Thread):
                 name=self.process_name[:200], info=self.info, **fields)
 
 
+def supervisor_of(pid):
+    """What a child's row names its supervisor by: ``host:pid``."""
+    return f"{socket.gethostname()}:{pid}"
+
+
 def of_loop(role, loop, parent_pid=None):
     """The presence of a worker's or dispatcher's loop (``activity()``, ``stopping``, ``name``)."""
     info = {key: getattr(loop, key, None) for key in ("threads", "workflows", "queues", "burst")}
-    return Presence(role, name=loop.name, parent=process_of(parent_pid) if parent_pid else "",
+    return Presence(role, name=loop.name, parent=supervisor_of(parent_pid) if parent_pid else "",
                     info=info, activity=loop.activity, draining=lambda: loop.stopping)
 
 
-__all__ = ["Presence", "of_loop"]
+__all__ = ["Presence", "of_loop", "supervisor_of"]

@@ -38,12 +38,7 @@ logger = logging.getLogger("durable.worker")
 
 def worker_id(role="worker", index=0):
     """The name a process's loop records on leases and events: ``host:pid:role<index>``."""
-    return f"{process_of()}:{role}{index}"
-
-
-def process_of(pid=None):
-    """``host:pid`` of a process (this one by default): how worker_id() names it."""
-    return f"{socket.gethostname()}:{os.getpid() if pid is None else pid}"
+    return f"{socket.gethostname()}:{os.getpid()}:{role}{index}"
 
 
 def keep_connections_healthy():

@@ -51,14 +51,10 @@ def _lease_is_live(job):
     return job.lease_until is not None and job.lease_until >= locking.db_now()
 
 
-def operator_move(job, to, user, reason, verb, fields, *, message=None, data=None):
-    """A person's move of a locked job: the transition, its event and the admin log entry.
-
-    The event says ``message`` (default ``verb: reason``) and carries ``data`` beside the verb.
-    """
+def _operator_move(job, to, user, reason, verb, fields):
     ok = locking.transition(
-        job, to, actor=audit.actor(user), message=message or f"{verb}: {reason}".strip(": "),
-        kind=EventKind.OPERATOR, data={"verb": verb, **(data or {})}, fields=fields,
+        job, to, actor=audit.actor(user), message=f"{verb}: {reason}".strip(": "),
+        kind=EventKind.OPERATOR, data={"verb": verb}, fields=fields,
     )
     if not ok:
         raise OperatorError(f"Job {job.pk} moved while you were acting on it; reload and retry")
@@ -76,7 +72,7 @@ def requeue(job_id, *, user=None, reason=""):
         if _lease_is_live(job):
             raise OperatorError(f"Job {job.pk} is being worked on (lease live); not requeued")
         states = table.step_of(job.state)
-        return operator_move(job, states.before, user, reason, "requeue", {
+        return _operator_move(job, states.before, user, reason, "requeue", {
             "attempts": 0, "next_run_at": Now(), "lease_until": None, "lease_owner": None,
         })
 
@@ -115,7 +111,7 @@ def cancel(job_id, *, user=None, reason="", children=False):
         job = _get_for_update(job_id)
         if job.table.is_terminal(job.state):
             raise OperatorError(f"Job {job.pk} already finished ({job.state})")
-        operator_move(job, CANCELLED, user, reason, "cancel", {
+        _operator_move(job, CANCELLED, user, reason, "cancel", {
             "next_run_at": None, "lease_until": None, "lease_owner": None,
         })
         # Withdraw what has not left the system yet; anything sent stays visible.
@@ -171,7 +167,7 @@ def send_back(job_id, *, to_state=None, user=None, reason=""):
             raise OperatorError(
                 f"{job.state} -> {to_state} is not allowed; choose one of {', '.join(allowed)}"
             )
-        return operator_move(job, to_state, user, reason, "send back", {
+        return _operator_move(job, to_state, user, reason, "send back", {
             "attempts": 0, "next_run_at": Now(), "lease_until": None, "lease_owner": None,
         })
 

@@ -18,6 +18,7 @@ import multiprocessing
 import operator
 import os
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -344,7 +345,7 @@ class Supervisor:
         # Written from this loop, never from a thread: the kernel sends the children their
         # parent-death signal once per thread of this process that ends, so a SIGKILL here
         # would tell each child twice (its second signal: exit now, mid-step).
-        self.presence = Presence("supervisor", name=worker_id("supervisor"),
+        self.presence = Presence("supervisor", name=worker_id("supervisor"), reconnect=True,
                                  info={"processes": self.processes, "threads": self.threads,
                                        "burst": self.burst},
                                  activity=self.activity, draining=lambda: self._stopping)
@@ -462,9 +463,7 @@ class Burst:
         self._pokes += 1
 
     def own(self, pid):
-        from .process import process_of
-
-        self.owners.append(f"{process_of(pid)}:")  # the start of its worker_id(), on leases
+        self.owners.append(f"{socket.gethostname()}:{pid}:")
 
     def _scoped(self, q):
         from django.db.models import Q

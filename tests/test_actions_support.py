@@ -9,11 +9,9 @@ condition holds.
 import time
 
 import pytest
-from django.contrib.auth.models import Permission
 
-import durable
 from durable.dispatch import Dispatcher
-from durable.models import Job, JobEvent, Outbox, OutboxStatus
+from durable.models import Job, JobEvent, Outbox
 from durable.testing import Receiver
 
 
@@ -80,26 +78,3 @@ def drive(run_worker_inline):
 
 def in_state(key, *states):
     return lambda: job(key).state in states
-
-
-@pytest.fixture
-def unknown(receivers, drive):
-    """A ticket whose receiver acted and dropped its reply, with neither lookup nor
-    idempotency: its outcome is unknown until a person settles it."""
-    receiver = receivers(lookup=False, idempotent=False)
-    receiver.behave("drop_after_acting", times=1)
-    durable.submit("ticket", "t1", {"subject": "Printer on fire"})
-    drive(lambda: action("t1").status == OutboxStatus.UNKNOWN
-          and action("t1").next_attempt_at is None)
-    assert job("t1").state == "unknown_create_ticket"
-    return receiver
-
-
-@pytest.fixture
-def decider(client, django_user_model):
-    """A client logged in as ada, who may view jobs and decide proposals."""
-    user = django_user_model.objects.create_user("ada", is_staff=True)
-    user.user_permissions.add(*Permission.objects.filter(
-        codename__in=["view_approval", "approve_proposal", "view_job"]))
-    client.force_login(user)
-    return client

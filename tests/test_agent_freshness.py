@@ -8,6 +8,7 @@ real receiver.
 """
 
 import pytest
+from django.contrib.auth.models import Permission
 from django.contrib.messages import constants
 from django.core.exceptions import ImproperlyConfigured
 from django.urls import reverse
@@ -39,6 +40,15 @@ def orders(tmp_path):
     path = tmp_path / "orders.json"
     write_orders(path, DELIVERED)
     return path
+
+
+@pytest.fixture
+def decider(client, django_user_model):
+    user = django_user_model.objects.create_user("ada", is_staff=True)
+    user.user_permissions.add(*Permission.objects.filter(
+        codename__in=["view_approval", "approve_proposal", "view_job"]))
+    client.force_login(user)
+    return client
 
 
 def submit(server, key, orders):

@@ -10,6 +10,7 @@ import json
 import re
 
 import pytest
+from django.contrib.auth.models import Permission
 from django.contrib.messages import constants
 from django.urls import reverse
 
@@ -33,6 +34,15 @@ def refund(id_="r1", order_id="A-1", amount=250):
 
 def say(text):
     return reply(text, usage=(100, 10))
+
+
+@pytest.fixture
+def decider(client, django_user_model):
+    user = django_user_model.objects.create_user("ada", is_staff=True)
+    user.user_permissions.add(*Permission.objects.filter(
+        codename__in=["view_approval", "approve_proposal", "view_job"]))
+    client.force_login(user)
+    return client
 
 
 def url(approval):

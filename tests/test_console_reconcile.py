@@ -7,6 +7,7 @@ reply, and offers neither lookup nor idempotency, so only a person can settle it
 import pytest
 from django.urls import reverse
 
+import durable
 from durable.models import EventKind, JobEvent, OutboxStatus
 from tests.test_actions_support import action, in_state, job
 from tests.test_console_support import OPERATE, VIEW, make_user
@@ -19,6 +20,17 @@ PAGE = reverse("admin:durable_reconcile")
 
 def decide(pk, decision):
     return reverse("admin:durable_reconcile_decide", args=[pk, decision])
+
+
+@pytest.fixture
+def unknown(receivers, drive):
+    receiver = receivers(lookup=False, idempotent=False)
+    receiver.behave("drop_after_acting", times=1)
+    durable.submit("ticket", "t1", {"subject": "Printer on fire"})
+    drive(lambda: action("t1").status == OutboxStatus.UNKNOWN
+          and action("t1").next_attempt_at is None)
+    assert job("t1").state == "unknown_create_ticket"
+    return receiver
 
 
 @pytest.fixture

@@ -9,11 +9,22 @@ from django.urls import reverse
 
 import durable
 from durable.models import OutboxStatus
-from tests.test_actions_support import action
+from tests.test_actions_support import action, job
 from tests.test_console_support import OPERATE, make_user
 
 pytest_plugins = ["tests.test_actions_support"]
 pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def unknown(receivers, drive):
+    receiver = receivers(lookup=False, idempotent=False)
+    receiver.behave("drop_after_acting", times=1)
+    durable.submit("ticket", "t1", {"subject": "Printer on fire"})
+    drive(lambda: action("t1").status == OutboxStatus.UNKNOWN
+          and action("t1").next_attempt_at is None)
+    assert job("t1").state == "unknown_create_ticket"
+    return receiver
 
 
 def test_the_job_page_says_the_outcome_is_unknown_and_links_to_its_reconciliation_card(client, unknown):
