@@ -44,10 +44,10 @@ def child(turns, tools, repeat):
     call_command("migrate", verbosity=0)
 
     import durable
-    from durable import agent_run
-    from durable.agents import AgentWorkflow, tool
+    from durable.agents import run as agent_run
+    from durable.agents.workflow import AgentWorkflow, tool
+    from durable.engine.runner import Runner
     from durable.models import Job, StepResult
-    from durable.runner import Runner
     from durable.testing import ScriptedModel, reply, tool_call
 
     @tool

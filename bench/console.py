@@ -270,8 +270,8 @@ def measure(repeat, verbose=False):
     from django.test import Client
     from django.test.utils import CaptureQueriesContext, setup_test_environment
 
-    from durable import reports
     from durable.models import Approval, Job
+    from durable.reads import reports
 
     setup_test_environment()  # the test client's template capture, as in the tests
     user = User.objects.filter(username="bench-operator").first() or User.objects.create_superuser(
@@ -346,7 +346,7 @@ def child(args):
     # The workers roll costs and state moves up about once a minute all day long; a
     # day generated at once is rolled up here, once, as they would have (the pages
     # never write).
-    from durable import rollups
+    from durable.store import rollups
 
     started = time.monotonic()
     rollups.roll_up()

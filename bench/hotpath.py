@@ -67,7 +67,7 @@ class HotStatements:
     def __enter__(self):
         from django.test.utils import CaptureQueriesContext
 
-        from durable import locking
+        from durable.store import locking
 
         self.conn.ensure_connection()
         if self.conn.vendor == "sqlite":
@@ -92,7 +92,7 @@ class HotStatements:
         return self
 
     def __exit__(self, *exc):
-        from durable import locking
+        from durable.store import locking
 
         if self.conn.vendor == "sqlite":
             self.conn.connection.set_trace_callback(None)
@@ -122,9 +122,9 @@ def count_actions(jobs, out, label):
     from django.test.utils import CaptureQueriesContext
 
     import durable
-    from durable.dispatch import Dispatcher
+    from durable.engine.dispatch.loop import Dispatcher
+    from durable.engine.worker import Worker
     from durable.models import Outbox
-    from durable.worker import Worker
 
     worker = Worker(name="bench-hotpath", burst=True)
     dispatcher = Dispatcher(name="bench-dispatch", burst=True, threads=1, batch_size=1)
@@ -172,8 +172,8 @@ def main(argv=None):
     from django.db import connection, connections
 
     from bench.phase import submit_noop
+    from durable.engine.worker import Worker
     from durable.models import Job
-    from durable.worker import Worker
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -46,8 +46,8 @@ def main(argv=None):
     from django.db import connection, transaction
     from django.db.models.functions import Now
 
-    from durable import locking
     from durable.models import EventKind, Job, JobEvent, StepResult
+    from durable.store import locking
 
     pg = connection.vendor == "postgresql"
     n = args.n

@@ -260,7 +260,7 @@ def bulk_finished(start, stop):
 def explain_claim():
     from django.db import connection, transaction
 
-    from durable import locking, sql
+    from durable.store import locking, sql
 
     with transaction.atomic():
         with connection.cursor() as cur:
@@ -290,8 +290,8 @@ def phase_claim(args):
     """Claim time with 10k/100k/1M finished jobs in the table; EXPLAIN of the claim query."""
     from django.db import transaction
 
-    from durable import locking
     from durable.models import Job
+    from durable.store import locking
 
     sizes, claims, rounds = args["sizes"], args["claims"], args.get("repeat", 3)
     results, have = [], 0
@@ -425,7 +425,7 @@ def phase_tasks(args):
 
 def dispatch_slots(destination):
     """Actions to ``destination`` one dispatcher process may have in flight at once."""
-    from durable.dispatch import Dispatcher
+    from durable.engine.dispatch.loop import Dispatcher
 
     dispatcher = Dispatcher(name="bench-probe")
     limit = getattr(dispatcher, "slots_for", None)

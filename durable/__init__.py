@@ -3,7 +3,7 @@
 The public API. Importing it loads no models, so it is safe in settings and app modules.
 """
 
-from .cron import Schedule
+from .core.workflows import TIMED_OUT, Action, NeedsHuman, Output, Retry, Wait, Workflow, registry, step
 from .exceptions import (
     DurableError,
     IdempotencyConflict,
@@ -20,7 +20,7 @@ from .exceptions import (
     UnknownJob,
     UnknownWorkflow,
 )
-from .workflows import TIMED_OUT, Action, NeedsHuman, Output, Retry, Wait, Workflow, registry, step
+from .schedules.cron import Schedule
 
 __all__ = [
     "Action",
@@ -55,20 +55,20 @@ __all__ = [
 
 def submit(workflow, key, payload, **kwargs):
     """Submit ``payload`` to ``workflow`` under the idempotency ``key``; returns the Job."""
-    from .services import submit as _submit
+    from .verbs.jobs import submit as _submit
 
     return _submit(workflow, key, payload, **kwargs)
 
 
 def enqueue(task, *args, key=None, **kwargs):
     """Enqueue a ``@task`` on DurableBackend under the idempotency ``key``; returns its TaskResult."""
-    from .tasks import enqueue as _enqueue
+    from .tasks.backend import enqueue as _enqueue
 
     return _enqueue(task, *args, key=key, **kwargs)
 
 
 def signal(job_key, name, payload=None, *, dedupe_key=None, source="api"):
     """Deliver the signal ``name`` to the job ``job_key``'s inbox; see ``durable.inbox.signal``."""
-    from .inbox import signal as _signal
+    from .steps.inbox import signal as _signal
 
     return _signal(job_key, name, payload, dedupe_key=dedupe_key, source=source)

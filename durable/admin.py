@@ -20,10 +20,11 @@ from django.utils import timezone
 from django.utils.functional import cached_property
 from django.utils.html import format_html
 
-from . import reports, views
-from .formats import age, money
+from . import views
+from .core.formats import age, money
+from .core.workflows import registry
 from .models import Approval, Job, JobEvent, Outbox, Pause, StepResult
-from .workflows import registry
+from .reads import reports
 
 
 class _YesFilter(admin.SimpleListFilter):

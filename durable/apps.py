@@ -13,6 +13,6 @@ class DurableConfig(AppConfig):
         # Like admin.py: import each installed app's workflows module, which registers
         # its Workflow subclasses and validates their transition tables.
         autodiscover_modules("workflows")
-        from .tasks import register_if_configured
+        from .tasks.backend import register_if_configured
 
         register_if_configured()  # the django_task workflow, when TASKS uses DurableBackend

@@ -4,7 +4,7 @@ from django.core import checks
 from django.db import connections
 
 from .conf import durable_settings
-from .workflows import registry
+from .core.workflows import registry
 
 
 @checks.register()
@@ -91,7 +91,7 @@ def check_sqlite_journal(app_configs, databases=None, **kwargs):
 @checks.register()
 def check_destinations(app_configs, **kwargs):
     """Destinations that cannot be built, may hang, or leave lost replies to a person."""
-    from . import destinations
+    from .actions import destinations
 
     problems = []
     for name in destinations.registry.names():
@@ -192,7 +192,7 @@ def check_schedules(app_configs, **kwargs):
     from django.core.exceptions import ImproperlyConfigured
     from django.utils.module_loading import import_string
 
-    from .schedules import declared
+    from .schedules.firing import declared
 
     try:
         schedules = declared()

@@ -1,7 +1,7 @@
 from django.contrib import admin
 from django.urls import include, path
 
-from durable.metrics import metrics_view
+from durable.reads.metrics import metrics_view
 
 from . import views
 

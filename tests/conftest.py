@@ -138,7 +138,7 @@ def wait_for(predicate, timeout=30, interval=0.05, message="condition"):
 @pytest.fixture
 def run_worker_inline():
     """Run an in-process burst worker until nothing is claimable."""
-    from durable.worker import Worker
+    from durable.engine.worker import Worker
 
     def run(**kwargs):
         worker = Worker(name="test-worker", burst=True, **kwargs)
@@ -155,7 +155,7 @@ def run_worker_inline():
 @pytest.fixture
 def refunds():
     """A durable.testing Receiver behind the ``refunds`` destination of the approval workflows."""
-    from durable.destinations import registry as destinations
+    from durable.actions.destinations import registry as destinations
     from durable.testing import Receiver
     from tests.testapp.approval_workflows import use_refunds_receiver
 

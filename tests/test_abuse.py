@@ -12,9 +12,9 @@ import pytest
 from django.test import override_settings
 
 import durable
-from durable import services
 from durable.exceptions import IdempotencyConflict, PayloadInvalid
 from durable.models import EventKind, Job, JobEvent, StepResult
+from durable.verbs import jobs as services
 
 from .conftest import wait_for
 

@@ -14,11 +14,11 @@ from decimal import Decimal
 import pytest
 
 import durable
-from durable import services
-from durable.action_rows import Success, claim_actions, mark_attempted, record_success
-from durable.dispatch import Dispatcher
+from durable.core.workflows import registry
+from durable.engine.dispatch.loop import Dispatcher
 from durable.models import EventKind, JobEvent, Outbox, OutboxStatus, StepResult
-from durable.workflows import registry
+from durable.store.action_rows import Success, claim_actions, mark_attempted, record_success
+from durable.verbs import jobs as services
 
 from .conftest import ON_POSTGRES, sqlite_commits
 from .test_actions_support import action, job, posts

@@ -17,12 +17,13 @@ from django.core.exceptions import ImproperlyConfigured
 from django.test import override_settings
 
 import durable
-from durable import destinations, services
-from durable.action_rows import claim_actions
-from durable.dispatch import Dispatcher
-from durable.identity import action_identity
-from durable.locking import db_now
+from durable.actions import destinations
+from durable.core.identity import action_identity
+from durable.engine.dispatch.loop import Dispatcher
 from durable.models import JobEvent, Outbox, OutboxStatus, Pause, StepResult
+from durable.store.action_rows import claim_actions
+from durable.store.locking import db_now
+from durable.verbs import jobs as services
 
 from .conftest import ROOT, wait_for
 from .test_actions_support import action, in_state, job, messages, posts
@@ -82,7 +83,7 @@ def test_the_idempotency_key_is_the_same_in_another_process():
     here = action_identity("doc-1", "create_ticket", "crm", "create", values)
     code = (
         "import django, json, sys; django.setup();"
-        "from durable.identity import action_identity;"
+        "from durable.core.identity import action_identity;"
         "print(json.dumps(action_identity(*json.loads(sys.argv[1]))))"
     )
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", "PYTHONHASHSEED": "random"}
@@ -502,7 +503,7 @@ def test_a_mark_whose_commit_came_back_too_late_to_send_within_its_lease_sends_n
              timeout=10)
     import types
 
-    import durable.sender as dispatch_module
+    import durable.engine.dispatch.sender as dispatch_module
 
     # The dispatcher's clock: the mark begins at 0, and its commit returns at 1000 s.
     readings = iter([0.0])

@@ -13,11 +13,11 @@ from django.db.models.functions import Now
 from django.test import override_settings
 
 import durable
-from durable import reconcile
-from durable.action_rows import claim_actions
-from durable.dispatch import Dispatcher
+from durable.actions import reconcile
+from durable.engine.dispatch.loop import Dispatcher
 from durable.exceptions import ActionChanged, OperatorError
 from durable.models import JobEvent, Outbox, OutboxStatus, StepResult
+from durable.store.action_rows import claim_actions
 
 from .test_actions_support import action, in_state, job, posts
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from durable.dispatch import Dispatcher
+from durable.engine.dispatch.loop import Dispatcher
 from durable.models import Job, JobEvent, Outbox
 from durable.testing import Receiver
 

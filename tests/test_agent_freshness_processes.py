@@ -12,7 +12,7 @@ import json
 import pytest
 
 import durable
-from durable import approvals
+from durable.actions import approvals
 from durable.models import Approval, ApprovalStatus, Job, Outbox, StepResult
 from durable.testing import FakeModelServer, reply, tool_call
 from tests.testapp.agent_workflows import write_orders

@@ -4,11 +4,11 @@ import pytest
 from django.urls import reverse
 
 import durable
-from durable import approvals
-from durable.agent_pages import replay_inputs, turn_support
-from durable.agents import AgentWorkflow, tool
+from durable.actions import approvals
+from durable.agents.workflow import AgentWorkflow, tool
 from durable.models import Approval, JobEvent, Outbox, StepResult
 from durable.testing import ScriptedModel, reply, tool_call
+from durable.views.agents import replay_inputs, turn_support
 from tests.test_console_support import VIEW, make_user
 
 from .test_actions_support import in_state

@@ -5,8 +5,8 @@ import time
 import pytest
 
 import durable
+from durable.core.workflows import registry
 from durable.models import Job, Signal, Wait
-from durable.workflows import registry
 
 from .test_engine import drain
 
@@ -49,7 +49,7 @@ def test_an_agent_reads_one_signal_per_turn_then_joins_its_children():
 
 
 def test_an_agent_parks_in_joining_and_its_last_child_wakes_it():
-    from durable.runner import Runner
+    from durable.engine.runner import Runner
 
     durable.submit("waiting_agent", "c", {"turns": 0})
     runner = Runner("inline", chain=False, workflows=["waiting_agent"])

@@ -11,13 +11,13 @@ import pytest
 from django.core.exceptions import ImproperlyConfigured
 
 import durable
-from durable import approvals
-from durable.agent_actions import grant
-from durable.agents import AgentWorkflow, Tool, tool
+from durable.actions import approvals
+from durable.agents.tools import grant
+from durable.agents.workflow import AgentWorkflow, Tool, tool
+from durable.core.workflows import registry
 from durable.exceptions import OperatorError
 from durable.models import Approval, ApprovalStatus, EventKind, JobEvent, Outbox, StepResult
 from durable.testing import FakeModelServer, reply, tool_call
-from durable.workflows import registry
 
 from .test_actions_support import in_state, job, posts
 
@@ -399,7 +399,7 @@ def test_a_rejection_of_a_cancelling_tool_cancels_the_job(drive, receiver, admin
 
 
 def test_the_cost_report_counts_model_and_tool_calls_by_name(run_worker_inline):
-    from durable import reports
+    from durable.reads import reports
 
     script = [calls(call("c1", "lookup_order", order_id="A-1"),
                     call("c2", "lookup_order", order_id="A-2"), cost="0.02"),
@@ -459,7 +459,7 @@ def test_the_job_page_shows_the_run_as_turns(drive, receiver, admin_client, admi
 
 def test_an_unknown_tool_action_waits_for_reconciliation_then_resumes(drive, receivers,
                                                                        admin_user):
-    from durable import reconcile
+    from durable.actions import reconcile
 
     receiver = receivers(idempotent=False, lookup=False)
     receiver.behave("drop_after_acting", times=1)

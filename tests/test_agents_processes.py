@@ -14,7 +14,7 @@ import pytest
 from django.core.management import call_command
 
 import durable
-from durable import approvals
+from durable.actions import approvals
 from durable.models import Approval, EventKind, Job, JobEvent, Outbox, StepResult
 from durable.testing import FakeModelServer, reply, tool_call
 

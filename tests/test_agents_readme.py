@@ -3,10 +3,10 @@
 import pytest
 
 import durable
-from durable.llm import OpenAIChat
+from durable.agents.llm import OpenAIChat
+from durable.core.workflows import registry
 from durable.models import Approval, Job, StepResult
 from durable.testing import FakeModelServer, reply, tool_call
-from durable.workflows import registry
 
 from .test_docs import ROOT, module_for, run, samples
 

@@ -34,7 +34,7 @@ def test_the_readme_adapters_have_explicit_timeouts_and_no_retries_of_their_own(
 
 @pytest.mark.parametrize("adapter", ["OpenAIChat", "AnthropicMessages"])
 def test_the_readme_price_table_prices_each_call_and_a_dated_name_by_its_family(settings, adapter):
-    import durable.llm
+    import durable.agents.llm
 
     table = readme_block('DURABLE["MODEL_PRICES"] = {').DURABLE["MODEL_PRICES"]
     settings.DURABLE = {**settings.DURABLE, "MODEL_PRICES": table}

@@ -13,19 +13,12 @@ from django.contrib.auth.models import Permission
 from django.db.models.functions import Now
 from django.utils import timezone
 
-from durable import approvals, identity, services
-from durable.dispatch import Dispatcher
+from durable.actions import approvals
+from durable.core import identity
+from durable.engine.dispatch.loop import Dispatcher
 from durable.exceptions import DecisionForbidden, DecisionRefused
-from durable.models import (
-    Approval,
-    ApprovalStatus,
-    EventKind,
-    Job,
-    JobEvent,
-    Outbox,
-    OutboxStatus,
-    StepResult,
-)
+from durable.models import Approval, ApprovalStatus, EventKind, Job, JobEvent, Outbox, OutboxStatus, StepResult
+from durable.verbs import jobs as services
 from tests.testapp.approval_workflows import write_order
 
 pytestmark = pytest.mark.django_db

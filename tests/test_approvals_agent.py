@@ -15,7 +15,7 @@ from django.contrib.messages import constants
 from django.urls import reverse
 
 import durable
-from durable import approvals
+from durable.actions import approvals
 from durable.models import Approval, ApprovalStatus, EventKind, JobEvent, StepResult
 from durable.testing import FakeModelServer, reply, tool_call
 

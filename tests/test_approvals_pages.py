@@ -8,8 +8,8 @@ from django.db.models.functions import Now
 from django.test import Client
 from django.urls import reverse
 
-from durable import services
 from durable.models import Approval, ApprovalStatus, Job, Outbox
+from durable.verbs import jobs as services
 from tests.testapp.approval_workflows import write_order
 
 pytestmark = pytest.mark.django_db
@@ -228,7 +228,7 @@ def test_an_unknown_decision_is_refused(propose, approver_client):
 def test_a_refusal_at_the_destination_is_shown_to_the_operator_as_a_failure(
     propose, refunds, approver_client, django_user_model
 ):
-    from durable.dispatch import Dispatcher
+    from durable.engine.dispatch.loop import Dispatcher
 
     approval = propose()
     refunds.behave("forbidden")

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 from django.contrib.auth.models import Permission
 
-from durable import approvals, services
+from durable.actions import approvals
 from durable.models import Approval, ApprovalStatus, EventKind, Job, JobEvent, Outbox
+from durable.verbs import jobs as services
 from tests.conftest import wait_for
 from tests.testapp.approval_workflows import REFUNDS_URL_ENV, write_order
 

@@ -11,8 +11,8 @@ import time
 import pytest
 from django.contrib.auth.models import Permission
 
-from durable import services
 from durable.models import Approval, ApprovalStatus, Job
+from durable.verbs import jobs as services
 from tests.conftest import wait_for
 from tests.test_console_support import log_in as console_log_in
 from tests.testapp.approval_workflows import REFUNDS_URL_ENV, write_order

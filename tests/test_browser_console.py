@@ -12,8 +12,8 @@ import pytest
 from django.db import transaction
 
 import durable
-from durable import locking
 from durable.models import Approval, ApprovalStatus, Job, JobEvent, OutboxStatus
+from durable.store import locking
 from tests.conftest import ROOT
 from tests.test_actions_support import action
 from tests.test_console_support import OPERATE, ago, log_in, make_finished, make_job, make_user

@@ -11,8 +11,9 @@ import pytest
 from django.db import transaction
 from django.db.models.functions import Now
 
-from durable import locking, services
 from durable.models import Approval, ApprovalStatus
+from durable.store import locking
+from durable.verbs import jobs as services
 from tests.test_console_support import (
     OPERATE,
     log_in,

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 from django.test import override_settings
 
-from durable import locking, schedules
 from durable.models import Job, ScheduleEvent, ScheduleState
+from durable.schedules import firing as schedules
+from durable.store import locking
 from tests.conftest import ROOT
 from tests.test_console_support import log_in, make_user
 

@@ -6,11 +6,11 @@ import pytest
 from django.contrib.auth.models import Permission
 
 import durable
-from durable import approvals
+from durable.actions import approvals
+from durable.core.states import StateKind
+from durable.core.workflows import registry
 from durable.models import Approval, ApprovalStatus, Job, Outbox
-from durable.states import StateKind
 from durable.testing import FakeModelServer, reply, tool_call
-from durable.workflows import registry
 
 pytest_plugins = ["tests.test_actions_support"]
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.crash]

@@ -6,8 +6,9 @@ import pytest
 from django.db import connection
 from django.test import override_settings
 
-from durable import checks, destinations
-from durable.destinations import Destination, LookupResult, Outcome
+from durable import checks
+from durable.actions import destinations
+from durable.actions.destinations import Destination, LookupResult, Outcome
 
 from .conftest import ON_POSTGRES
 

@@ -3,9 +3,9 @@
 import pytest
 
 import durable
-from durable import services
-from durable.children import wake_parent
 from durable.models import EventKind, Job, JobEvent, Wait
+from durable.steps.children import wake_parent
+from durable.verbs import jobs as services
 
 from .test_engine import drain
 
@@ -35,7 +35,7 @@ def test_children_are_linked_submits_and_the_parent_joins_their_outcomes_in_key_
 
 
 def test_the_parent_parks_holding_nothing_and_the_last_child_wakes_it_once():
-    from durable.runner import Runner
+    from durable.engine.runner import Runner
 
     durable.submit("parent", "p", {"children": 2})
     runner = Runner("inline", chain=False)
@@ -65,7 +65,7 @@ def test_a_failed_and_a_cancelled_child_are_outcomes_the_parent_reads():
 
 
 def test_a_join_past_its_deadline_reports_the_unfinished_children_as_timed_out():
-    from durable.runner import Runner
+    from durable.engine.runner import Runner
 
     durable.submit("parent", "p", {"children": 2, "timeout": 0})
     runner = Runner("inline", workflows=["parent"])
@@ -74,7 +74,7 @@ def test_a_join_past_its_deadline_reports_the_unfinished_children_as_timed_out()
 
 
 def test_cancelling_a_parent_can_cancel_its_unfinished_children():
-    from durable.runner import Runner
+    from durable.engine.runner import Runner
 
     durable.submit("parent", "p", {"children": 3})
     runner = Runner("inline", workflows=["parent"])
@@ -88,9 +88,9 @@ def test_cancelling_a_parent_can_cancel_its_unfinished_children():
 
 
 def test_spawn_is_idempotent_fenced_and_refuses_a_child_id_another_parent_holds():
-    from durable.context import Context
+    from durable.engine.runner import Runner
     from durable.exceptions import IdempotencyConflict, LeaseLost
-    from durable.runner import Runner
+    from durable.steps.context import Context
 
     durable.submit("parent", "p", {"children": 1})
     durable.submit("parent", "x", {"children": 1})
@@ -116,7 +116,7 @@ def test_spawn_is_idempotent_fenced_and_refuses_a_child_id_another_parent_holds(
 
 
 def test_a_join_of_some_children_wakes_when_those_finish_while_another_still_runs():
-    from durable.runner import Runner
+    from durable.engine.runner import Runner
 
     durable.submit("subset_parent", "s", {})
     runner = Runner("inline", chain=False)

@@ -9,8 +9,8 @@ from django.contrib.admin.models import LogEntry
 from django.test import Client, override_settings
 from django.urls import reverse
 
-from durable import locking
 from durable.models import EventKind, Job, JobEvent, Pause
+from durable.store import locking
 from tests.test_console_support import OPERATE, VIEW, ago, make_job, make_memo, make_user
 
 pytestmark = pytest.mark.django_db

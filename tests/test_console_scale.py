@@ -15,8 +15,9 @@ from django.db import connection
 from django.test import Client, override_settings
 from django.test.utils import CaptureQueriesContext
 
-from durable import locking, memos, reports, rollups
 from durable.models import CostMark, CostMinute, Job, MoveMinute
+from durable.reads import reports
+from durable.store import locking, memos, rollups
 from tests.conftest import wait_for
 from tests.test_console_support import PIPELINE, ago, make_job, make_memo
 

@@ -4,9 +4,11 @@ import pytest
 from django.contrib.admin.models import LogEntry
 from django.core import signing
 
-from durable import Action, Workflow, identity, registry, services, step
+from durable import Action, Workflow, registry, step
+from durable.core import identity
 from durable.exceptions import OperatorError
 from durable.models import EventKind, Job, JobEvent, StepResult
+from durable.verbs import jobs as services
 from tests.test_console_support import make_job, make_memo, make_user
 
 pytestmark = pytest.mark.django_db

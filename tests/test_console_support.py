@@ -10,8 +10,8 @@ from decimal import Decimal
 
 from django.contrib.auth.models import Permission, User
 
-from durable import locking
 from durable.models import EventKind, Job, JobEvent, Outbox, StepResult
+from durable.store import locking
 
 PIPELINE = "test_pipeline"
 

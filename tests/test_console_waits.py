@@ -93,7 +93,7 @@ def test_a_finished_job_offers_no_signal_and_refuses_one(signaller, parked):
 
 
 def test_parent_and_children_are_linked_both_ways_and_the_list_filters_by_parent(signaller):
-    from durable.runner import Runner
+    from durable.engine.runner import Runner
 
     durable.submit("parent", "p", {"children": 2})
     durable.submit("child", "loner", {"n": 9})
@@ -110,7 +110,7 @@ def test_parent_and_children_are_linked_both_ways_and_the_list_filters_by_parent
 
 
 def test_cancel_from_the_console_can_take_the_children_with_it(signaller):
-    from durable.runner import Runner
+    from durable.engine.runner import Runner
 
     durable.submit("parent", "p", {"children": 2})
     runner = Runner("inline", workflows=["parent"])
@@ -162,7 +162,7 @@ def test_the_right_signal_name_is_a_success_and_the_job_goes_on(signaller, parke
 
 
 def test_a_parent_shows_it_waits_for_its_children(signaller):
-    from durable.runner import Runner
+    from durable.engine.runner import Runner
 
     durable.submit("parent", "p", {"children": 2})
     runner = Runner("inline", workflows=["parent"])

@@ -7,8 +7,9 @@ import pytest
 from django.core.management import call_command
 from django.db.models import Sum
 
-from durable import locking, memos, reports
 from durable.models import CostMark, CostMinute, StepResult
+from durable.reads import reports
+from durable.store import locking, memos
 from tests.test_console_support import make_job, make_memo
 
 pytestmark = pytest.mark.django_db

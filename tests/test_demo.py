@@ -14,10 +14,12 @@ import requests
 from django.core.management import CommandError, call_command
 from django.test import override_settings
 
-from durable import PermanentError, approvals, services
-from durable.dispatch import Dispatcher
+from durable import PermanentError
+from durable.actions import approvals
+from durable.engine.dispatch.loop import Dispatcher
 from durable.models import Approval, Job, StepResult
 from durable.testing import Receiver
+from durable.verbs import jobs as services
 from project.demo import model, workflows
 from project.demo.source import SLOW_SECONDS, DocumentSource, budget, document
 

@@ -9,8 +9,8 @@ from decimal import Decimal
 import pytest
 
 import durable
-from durable import approvals
-from durable.dispatch import Dispatcher
+from durable.actions import approvals
+from durable.engine.dispatch.loop import Dispatcher
 from durable.models import Approval, Job, StepResult
 from durable.testing import FakeModelServer, Receiver
 from project.demo import support

@@ -11,9 +11,9 @@ from decimal import Decimal
 import pytest
 
 import durable
-from durable.fake_openai import turn_of
 from durable.models import EventKind, Job, JobEvent, StepResult
 from durable.testing import FakeModelServer, Receiver
+from durable.testing.fake_openai import turn_of
 from project.demo.support import REQUESTS
 from project.demo.support_model import support_script
 

@@ -1,7 +1,7 @@
 """Confirmed sends written together, and rows claimed ahead of the dispatcher's threads.
 
 Under ``Dispatcher.run`` a slot frees at its reply: the confirmation goes to one writing
-thread (``durable.slots.Batches``) that writes every confirmation waiting in one
+thread (``durable.engine.dispatch.slots.Batches``) that writes every confirmation waiting in one
 transaction, and the loop claims a few rows beyond the free threads so a thread that
 frees starts its next send at once. Neither may lose a confirmation, write one that
 lost its fence, or send a row claimed ahead when the dispatcher drains.
@@ -13,10 +13,10 @@ import threading
 import pytest
 
 import durable
-from durable.action_rows import claim_actions
-from durable.dispatch import Dispatcher
+from durable.engine.dispatch.loop import Dispatcher
+from durable.engine.dispatch.slots import Batches
 from durable.models import Outbox, OutboxStatus
-from durable.slots import Batches
+from durable.store.action_rows import claim_actions
 
 from .conftest import ON_POSTGRES, sqlite_commits, wait_for
 from .test_actions_support import job

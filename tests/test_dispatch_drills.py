@@ -13,8 +13,8 @@ import pytest
 from django.core.management import CommandError, call_command
 
 import durable
-from durable import reconcile
-from durable.dispatch import Dispatcher
+from durable.actions import reconcile
+from durable.engine.dispatch.loop import Dispatcher
 from durable.models import Job, Outbox, OutboxStatus
 
 from .conftest import ROOT, wait_for, worker_env
@@ -173,7 +173,7 @@ def test_an_idle_dispatcher_wakes_at_once_when_an_action_is_queued(receiver, run
 def test_a_burst_dispatcher_waits_for_a_live_worker_but_not_for_one_that_died():
     from django.db import transaction
 
-    from durable import locking
+    from durable.store import locking
 
     durable.submit("recorded", "orphan", {})
     with transaction.atomic():

@@ -14,7 +14,7 @@ from django.db.backends.signals import connection_created
 from django.test import override_settings
 
 import durable
-from durable.dispatch import Dispatcher
+from durable.engine.dispatch.loop import Dispatcher
 from durable.models import Outbox, OutboxStatus
 from durable.testing import Blackhole, Receiver
 
@@ -158,7 +158,7 @@ def test_a_dispatcher_of_one_thread_claims_one_row_ahead_and_never_sends_two_at_
 def test_a_concurrency_that_is_not_a_whole_number_of_at_least_one_is_refused(value):
     from django.core.exceptions import ImproperlyConfigured
 
-    from durable.destinations import HttpDestination
+    from durable.actions.destinations import HttpDestination
 
     with pytest.raises(ImproperlyConfigured, match="CONCURRENCY"):
         HttpDestination("crm", url="http://127.0.0.1:9/x", concurrency=value)

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 
-from durable.workflows import registry
+from durable.core.workflows import registry
 
 ROOT = Path(__file__).resolve().parent.parent
 FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

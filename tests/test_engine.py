@@ -8,10 +8,11 @@ import pytest
 from django.db import transaction
 
 import durable
-from durable import locking, services
+from durable.engine.runner import Runner
 from durable.exceptions import OperatorError
 from durable.models import EventKind, Job, JobEvent, StepResult
-from durable.runner import Runner
+from durable.store import locking
+from durable.verbs import jobs as services
 
 from .conftest import sqlite_commits
 
@@ -250,7 +251,7 @@ def test_a_reclaimed_job_counts_the_lost_attempt_and_gives_up_eventually():
 
 def test_a_non_json_step_output_is_poison():
     from durable import Workflow, step
-    from durable.workflows import registry
+    from durable.core.workflows import registry
 
     class BadOutput(Workflow):
         name = "bad_output"
@@ -303,7 +304,7 @@ def test_a_job_costs_one_commit_per_step_and_the_next_claim_rides_on_the_last():
 )
 def test_a_step_output_no_database_can_store_fails_the_step_once(output, message):
     from durable import Workflow, step
-    from durable.workflows import registry
+    from durable.core.workflows import registry
 
     class Unstorable(Workflow):
         name = "unstorable"
@@ -325,7 +326,7 @@ def test_a_step_output_no_database_can_store_fails_the_step_once(output, message
 
 def test_a_negative_cost_fails_the_step_with_a_clear_error():
     from durable import Output, Workflow, step
-    from durable.workflows import registry
+    from durable.core.workflows import registry
 
     class Refund(Workflow):
         name = "negative_cost"

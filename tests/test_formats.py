@@ -6,7 +6,7 @@ from decimal import Decimal
 import pytest
 from django.template import Context, Template
 
-from durable import formats
+from durable.core import formats
 
 
 @pytest.mark.parametrize(

@@ -5,10 +5,10 @@ from django.db import connection, transaction
 from django.test import override_settings
 
 import durable
-from durable import locking
+from durable.engine.runner import Runner
 from durable.exceptions import IdempotencyConflict, PayloadInvalid
 from durable.models import EventKind, Job, JobEvent
-from durable.runner import Runner
+from durable.store import locking
 from tests.settings import DURABLE as TEST_DURABLE
 
 from .conftest import ON_POSTGRES

@@ -13,8 +13,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from durable import destinations
-from durable.destinations import HttpDestination, Request
+from durable.actions import destinations
+from durable.actions.destinations import HttpDestination, Request
 from durable.testing import Receiver
 
 

@@ -11,7 +11,7 @@ option itself is checked on a real connection to a real server.
 import socket
 import struct
 
-from durable import destinations
+from durable.actions import destinations
 from durable.testing import Receiver
 
 

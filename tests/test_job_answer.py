@@ -8,10 +8,10 @@ from django.core.management import CommandError, call_command
 from django.urls import reverse
 
 import durable
-from durable import answers
+from durable.core.workflows import registry
 from durable.exceptions import OperatorError
 from durable.models import EventKind, Job, JobEvent, StepResult
-from durable.workflows import registry
+from durable.verbs import answers
 from tests.test_console_support import OPERATE, VIEW, make_user
 
 from .test_engine import drain

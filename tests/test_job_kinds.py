@@ -8,8 +8,8 @@ Each workflow names its states its own way (``awaiting_signal_ask``, ``joining_f
 import pytest
 from django.urls import reverse
 
-from durable import reports
 from durable.models import EventKind, JobEvent
+from durable.reads import reports
 from tests.test_console_support import OPERATE, make_job, make_user
 
 pytestmark = pytest.mark.django_db

@@ -7,8 +7,8 @@ from decimal import Decimal
 import pytest
 from django.test import override_settings
 
+from durable.agents.llm import ModelReply, ModelReplyInvalid, OpenAIChat, price_cost
 from durable.exceptions import PermanentError, RetryableError
-from durable.llm import ModelReply, ModelReplyInvalid, OpenAIChat, price_cost
 from durable.testing import FakeModelServer, reply, tool_call
 
 openai = pytest.importorskip("openai")
@@ -204,7 +204,7 @@ def test_durable_imports_without_the_openai_package():
     code = ("import sys; sys.modules['openai'] = None\n"
             "import django; from django.conf import settings; settings.configure(); django.setup()\n"
             "import durable.llm, durable.testing\n"
-            "try:\n    durable.llm.OpenAIChat('m')\nexcept ImportError as exc:\n    print(exc)\n")
+            "try:\n    durable.agents.llm.OpenAIChat('m')\nexcept ImportError as exc:\n    print(exc)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "pip install 'django-durable-workflows[openai]'" in out
 
@@ -212,7 +212,7 @@ def test_durable_imports_without_the_openai_package():
 # The Anthropic adapter: the same conversation, the same reply type, the Messages wire format.
 
 def claude(server, **options):
-    from durable.llm import AnthropicMessages
+    from durable.agents.llm import AnthropicMessages
 
     pytest.importorskip("anthropic")
     adapter = AnthropicMessages("fake-model", base_url=server.root_url, api_key="test-key", prices=PRICES, **options)
@@ -268,7 +268,7 @@ def test_the_anthropic_adapter_classifies_errors_like_the_openai_one_and_never_r
                                                   ("AnthropicMessages", "ANTHROPIC_API_KEY")])
 def test_the_api_key_is_the_given_one_else_the_sdks_environment_variable_else_none(
         server, monkeypatch, adapter, variable):
-    import durable.llm
+    import durable.agents.llm
 
     pytest.importorskip("anthropic")
     cls = getattr(durable.llm, adapter)
@@ -288,8 +288,8 @@ def test_the_api_key_is_the_given_one_else_the_sdks_environment_variable_else_no
 
 
 def test_both_adapters_are_models_an_agent_calls_directly(server):
-    from durable.agents import Model
-    from durable.llm import AnthropicMessages
+    from durable.agents.llm import AnthropicMessages
+    from durable.agents.workflow import Model
 
     pytest.importorskip("anthropic")
     with chat(server) as openai_model, AnthropicMessages("fake-model", base_url=server.root_url) as claude_model:

@@ -9,8 +9,8 @@ from django.test import override_settings
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
-from durable import services
 from durable.models import Approval, Job, Outbox, OutboxStatus
+from durable.verbs import jobs as services
 
 pytestmark = pytest.mark.django_db
 

@@ -18,9 +18,10 @@ from django.test import Client, override_settings
 from django.urls import reverse
 
 import durable
-from durable import approvals, reconcile, services
-from durable.dispatch import Dispatcher
+from durable.actions import approvals, reconcile
+from durable.engine.dispatch.loop import Dispatcher
 from durable.models import Approval, ApprovalStatus, Job, OutboxStatus
+from durable.verbs import jobs as services
 from tests.conftest import ROOT
 from tests.test_actions_support import action, in_state
 from tests.test_console_support import OPERATE, make_job, make_memo, make_user
@@ -118,7 +119,7 @@ def test_1_the_stranded_job_page_links_to_prepare_again(propose, operator):
 
 
 def test_1_every_job_awaiting_approval_has_an_open_or_expired_proposal_alert(propose):
-    from durable import reports
+    from durable.reads import reports
 
     approval = propose()
     Approval.objects.filter(pk=approval.pk).update(status=ApprovalStatus.EXPIRED)
@@ -169,7 +170,7 @@ def test_2_a_workflow_can_name_the_steps_a_proposal_is_prepared_from(
     assert second.proposal["values"]["amount"] == "5.00"
     assert log.read_text().split("\n").count("r-1 assess") == 1
     # The quote's default re-runs every step before the action.
-    from durable.workflows import registry
+    from durable.core.workflows import registry
 
     assert registry.get("quote").steps_by_name["send"].prepared_from == ("read", "price")
     assert registry.get("refund").steps_by_name["refund"].prepared_from == ()
@@ -312,7 +313,7 @@ def test_7_a_failure_groups_link_lists_that_groups_jobs_only(operator):
 
 
 def test_7_the_masked_cause_keeps_the_http_status():
-    from durable import reports
+    from durable.reads import reports
 
     _, message = reports.split_error(
         "HTTPError: 404 Client Error: Not Found for url: http://127.0.0.1:8001/docs/3?kind=gone")
@@ -389,7 +390,7 @@ def test_9_reconciliation_shows_what_the_lookups_said(unknown_action, operator):
 
 
 def test_9_cancelling_an_unknown_action_on_purpose_is_not_a_failure(unknown_action, operator):
-    from durable import reports
+    from durable.reads import reports
 
     reconcile.cancel_action(unknown_action.pk, version=unknown_action.version, user="ops",
                             reason="customer withdrew")
@@ -419,7 +420,7 @@ def test_11_one_money_rule_with_the_currency_on_every_page(operator, settings):
 
 
 def test_11_the_formatting_rule():
-    from durable.formats import money
+    from durable.core.formats import money
 
     with override_settings(DURABLE={"CURRENCY": "EUR"}):
         assert money(Decimal("0.000807")) == "EUR 0.000807"

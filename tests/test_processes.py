@@ -9,9 +9,9 @@ import pytest
 from django.db import transaction
 
 import durable
-from durable import locking
+from durable.engine.runner import Runner
 from durable.models import EventKind, Job, JobEvent, StepResult
-from durable.runner import Runner
+from durable.store import locking
 
 from .conftest import ON_POSTGRES, wait_for
 

@@ -21,13 +21,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
 import durable
-from durable import locking, services
+from durable.core.identity import same_json
+from durable.core.states import StateKind
+from durable.core.workflows import registry
+from durable.engine.runner import Runner
 from durable.exceptions import IllegalTransition, OperatorError, PayloadInvalid
-from durable.identity import same_json
 from durable.models import Job, JobEvent, StepResult
-from durable.runner import Runner
-from durable.states import StateKind
-from durable.workflows import registry
+from durable.store import locking
+from durable.verbs import jobs as services
 from tests.testapp.drill_workflows import CHAOS
 
 pytestmark = pytest.mark.django_db

@@ -8,8 +8,10 @@ from django.core.management import CommandError, call_command
 from django.db.models import Sum
 from django.utils import timezone
 
-from durable import UnknownWorkflow, reports, services
+from durable import UnknownWorkflow
 from durable.models import CostRollup, EventKind, Job, JobEvent, Outbox, OutboxStatus, StepResult
+from durable.reads import reports
+from durable.verbs import jobs as services
 
 pytestmark = pytest.mark.django_db
 
@@ -65,7 +67,7 @@ def test_purge_keeps_recent_unfinished_and_failed_jobs(finished):
     recent = finished(1, days=10, prefix="recent")
     services.submit("test_pipeline", "waiting", {"doc": "x"})
     services.submit("flaky", "failed", {"mode": "poison"})
-    from durable.worker import Worker
+    from durable.engine.worker import Worker
 
     worker = Worker(name="w", burst=True)
     worker.runner.heartbeat = None

@@ -328,7 +328,7 @@ def test_the_readme_makes_one_durable_dict_and_later_samples_add_to_it():
 
 
 def test_an_unknown_destination_says_where_destinations_are_named(settings):
-    from durable import destinations
+    from durable.actions import destinations
     from durable.exceptions import UnknownDestination
 
     settings.DURABLE = {**settings.DURABLE, "DESTINATIONS": {"crm": {"URL": "http://127.0.0.1:9"}}}

@@ -7,8 +7,10 @@ import pytest
 from django.db import connection
 from django.test import override_settings
 
-from durable import locking, reports, services
 from durable.models import Approval, Pause
+from durable.reads import reports
+from durable.store import locking
+from durable.verbs import jobs as services
 from tests.test_console_support import ago, make_action, make_job, make_memo
 
 pytestmark = pytest.mark.django_db

@@ -9,7 +9,7 @@ import pytest
 from django.core.management import CommandError, call_command
 from django.test import override_settings
 
-from durable import locking
+from durable.store import locking
 from tests.conftest import ROOT, worker_env
 from tests.test_console_support import ago, make_job, make_memo
 

@@ -7,7 +7,7 @@ import pytest
 import requests
 
 from durable import PermanentError, Retry, RetryableError
-from durable.retry import backoff, classify, parse_retry_after, scrub
+from durable.core.retry import backoff, classify, parse_retry_after, scrub
 
 
 def _http_error(status, retry_after=None):

@@ -14,10 +14,14 @@ from django.core.management import call_command
 from django.db import transaction
 from django.test import override_settings
 
-from durable import Schedule, cron, locking, schedules, services
+from durable import Schedule
 from durable.checks import check_schedules
 from durable.exceptions import OperatorError
 from durable.models import Job, ScheduleEvent, ScheduleEventKind, ScheduleState
+from durable.schedules import cron
+from durable.schedules import firing as schedules
+from durable.store import locking
+from durable.verbs import jobs as services
 
 UTC = datetime.UTC
 
@@ -391,7 +395,7 @@ def test_the_cli_pauses_resumes_and_runs_now(every_second, capsys):
 
 
 def test_the_dashboard_alerts_when_a_schedule_is_overdue_or_its_last_run_failed(every_second):
-    from durable import reports
+    from durable.reads import reports
 
     now = locking.db_now()
     ScheduleState.objects.filter(pk="probe").update(due_at=now - datetime.timedelta(seconds=30),
@@ -405,7 +409,7 @@ def test_the_dashboard_alerts_when_a_schedule_is_overdue_or_its_last_run_failed(
 
 
 def test_a_task_schedule_enqueues_the_task_through_the_durable_backend(db):
-    from durable.tasks import FRAMEWORK
+    from durable.tasks.backend import FRAMEWORK
 
     if FRAMEWORK is None:  # pragma: no cover - every supported environment has one
         pytest.skip("neither django.tasks nor django_tasks is installed")
@@ -422,7 +426,7 @@ def test_a_task_schedule_enqueues_the_task_through_the_durable_backend(db):
     job = Job.objects.get(pk=declared["adder"].job_key(ticks[0]))
     assert job.workflow == "django_task"
     assert job.payload["task"] == "tests.test_tasks.add" and job.payload["kwargs"] == {"a": 2, "b": 3}
-    from durable.runner import Runner
+    from durable.engine.runner import Runner
 
     runner = Runner("test-worker", None, 30)
     while (started := runner.claim()) is not None:

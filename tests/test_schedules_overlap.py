@@ -9,8 +9,10 @@ import datetime
 
 from django.test import override_settings
 
-from durable import cron, locking, schedules
 from durable.models import Job, ScheduleEvent, ScheduleEventKind, ScheduleState
+from durable.schedules import cron
+from durable.schedules import firing as schedules
+from durable.store import locking
 from tests.test_schedules import EVERY_SECOND, NOW, bound, decided_ticks, rewind
 
 # Each pass's decisions ------------------------------------------------------------------

@@ -5,8 +5,9 @@ import datetime
 import pytest
 from django.test import override_settings
 
-from durable import locking, schedules
 from durable.models import Job, ScheduleEvent, ScheduleEventKind, ScheduleState
+from durable.schedules import firing as schedules
+from durable.store import locking
 from tests.test_console_support import make_user
 
 pytestmark = pytest.mark.django_db

@@ -99,8 +99,8 @@ def test_a_deadline_records_timed_out_once_and_a_later_signal_does_not_change_it
 
 
 def test_a_rerun_of_the_step_returns_the_recorded_outcome_not_a_new_signal():
-    from durable.context import Context
-    from durable.runner import Runner
+    from durable.engine.runner import Runner
+    from durable.steps.context import Context
 
     durable.submit("turns", "t", {"n": 1})
     durable.signal("t", "reply", "a", dedupe_key="1")
@@ -126,8 +126,8 @@ def test_a_rerun_of_the_step_returns_the_recorded_outcome_not_a_new_signal():
 
 
 def test_a_fenced_out_worker_consumes_nothing():
-    from durable.context import Context
     from durable.exceptions import LeaseLost
+    from durable.steps.context import Context
 
     durable.submit("confirm", "j", {})
     durable.signal("j", "confirmed", 1, dedupe_key="1")
@@ -177,7 +177,7 @@ def test_a_step_that_waits_without_declaring_it_fails_with_a_clear_message():
 
 
 def test_cancelling_a_waiting_job_is_allowed_and_signals_are_refused_after():
-    from durable import services
+    from durable.verbs import jobs as services
 
     durable.submit("confirm", "j", {})
     drain()
@@ -201,7 +201,7 @@ def test_the_waiting_states_are_in_the_table_validated_and_printed():
     from django.core.management import call_command
 
     from durable import Workflow, step
-    from durable.workflows import registry
+    from durable.core.workflows import registry
 
     table = registry.get("parent").table
     assert table.kind("joining_fan_out").label == "waiting for its children"

@@ -52,7 +52,7 @@ def test_the_home_page_links_to_the_demo_s_services(client, settings):
 
 def test_the_home_page_needs_no_login_and_shows_no_data(client):
     """Anyone may read it: it says where things are, not what they contain."""
-    from durable import services
+    from durable.verbs import jobs as services
 
     services.submit("test_pipeline", key="secret-lead-42", payload={"email": "ceo@example.org"})
 

@@ -4,8 +4,8 @@ import pytest
 from django.core.exceptions import ImproperlyConfigured
 
 from durable import Workflow, step
-from durable.states import StateKind, TransitionTable
-from durable.workflows import registry
+from durable.core.states import StateKind, TransitionTable
+from durable.core.workflows import registry
 
 DESIGN_TABLE = {
     "pending": ("fetching", "cancelled"),

@@ -97,7 +97,7 @@ def test_children_of_a_sigkilled_supervisor_finish_their_step_exit_and_claim_not
 # signal), as a child does where the kernel offers none.
 PORTABLE = textwrap.dedent("""
     import os, signal, sys, time
-    from durable.supervisor import _watch_parent
+    from durable.engine.supervisor import _watch_parent
 
     parent = os.getpid()
     child = os.fork()

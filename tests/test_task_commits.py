@@ -12,7 +12,7 @@ import pytest
 from django.db import connection, transaction
 
 from durable.models import Job
-from durable.tasks import FRAMEWORK
+from durable.tasks.backend import FRAMEWORK
 
 from .conftest import ON_POSTGRES, sqlite_commits
 
@@ -52,7 +52,7 @@ def finished():
 @pytest.mark.skipif(ON_POSTGRES, reason="the SQLite statement trace; PostgreSQL is counted below")
 @pytest.mark.django_db(transaction=True)
 def test_an_inline_worker_commits_once_per_task_job_on_sqlite_with_the_framework_signals_connected():
-    from durable.runner import Runner
+    from durable.engine.runner import Runner
 
     # Django's own receivers log on these signals; a project's may build on the result.
     assert task_started.receivers and task_finished.receivers

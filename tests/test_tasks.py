@@ -18,9 +18,9 @@ from django.test import override_settings
 from django.utils import timezone
 
 import durable
-from durable import IdempotencyConflict, PayloadInvalid, services
+from durable import IdempotencyConflict, PayloadInvalid
 from durable.models import EventKind, Job, JobEvent, StepResult
-from durable.tasks import (
+from durable.tasks.backend import (
     FRAMEWORK,
     DurableBackend,
     TaskArgumentsInvalid,
@@ -28,6 +28,7 @@ from durable.tasks import (
     full_jitter,
     idempotency_key,
 )
+from durable.verbs import jobs as services
 
 from .conftest import wait_for
 

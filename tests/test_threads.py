@@ -18,8 +18,8 @@ from django.core.management.base import CommandError
 from django.db import transaction
 
 import durable
-from durable import locking
 from durable.models import EventKind, Job, JobEvent, StepResult
+from durable.store import locking
 
 from .conftest import wait_for
 

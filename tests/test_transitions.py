@@ -3,9 +3,9 @@
 import pytest
 
 import durable
-from durable import locking
 from durable.exceptions import IllegalTransition
 from durable.models import Job
+from durable.store import locking
 
 pytestmark = pytest.mark.django_db
 

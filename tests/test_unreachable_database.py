@@ -17,8 +17,8 @@ from django.db import connection
 from django.db.utils import ConnectionHandler, OperationalError
 
 import durable
-from durable import worker as worker_module
 from durable.conf import bound_database_connections, connection_options
+from durable.engine import worker as worker_module
 from durable.models import EventKind, Job, JobEvent, StepResult
 
 from .conftest import ON_POSTGRES, wait_for

@@ -9,10 +9,10 @@ import pytest
 from django.test import override_settings
 
 import durable
-from durable import locking
+from durable.engine.dispatch.slots import Senders
+from durable.engine.presence import Presence
 from durable.models import Job, WorkerProcess
-from durable.presence import Presence
-from durable.slots import Senders
+from durable.store import locking
 from tests.test_console_support import make_user
 
 from .conftest import wait_for

@@ -54,7 +54,7 @@ def _receive(request, source):
     body = _body(request)
     _authenticate(request, config, body, source)
     fields = _fields(body)
-    from ..inbox import signal
+    from ..steps.inbox import signal
 
     try:
         sig = signal(fields["job"], fields["name"], fields.get("payload"),

@@ -8,7 +8,7 @@ from decimal import Decimal, InvalidOperation
 from django import template
 from django.utils import timezone
 
-from .. import formats
+from ..core import formats
 
 register = template.Library()
 

@@ -11,9 +11,9 @@ from django.contrib import messages
 from django.contrib.admin.utils import quote, unquote
 from django.http import HttpResponseRedirect
 
-from .. import answers
 from ..exceptions import DurableError, OperatorError
 from ..models import Job
+from ..verbs import answers
 from .base import admin_url, form_reason, job_url, require, short_hashes
 
 # The permission to answer: answering sends the job on, as a send back does.

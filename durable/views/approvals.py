@@ -16,11 +16,16 @@ from django.db.models import Sum
 from django.http import Http404, HttpResponseRedirect
 from django.template.response import TemplateResponse
 
-from .. import agent_actions, agent_outbox, approvals, formats, locking, reports
-from ..agent_pages import turn_support
+from ..actions import approvals
+from ..agents import outbox as agent_outbox
+from ..agents import tools as agent_actions
+from ..core import formats
+from ..core.workflows import Action, registry
 from ..exceptions import DecisionForbidden, DecisionRefused
 from ..models import Approval, ApprovalStatus, EventKind, JobEvent, StepResult
-from ..workflows import Action, registry
+from ..reads import reports
+from ..store import locking
+from .agents import turn_support
 from .base import admin_url, context, require_view, show_json, url_or_blank
 
 logger = logging.getLogger("durable.approvals")

@@ -35,9 +35,9 @@ from django.views.decorators.clickjacking import xframe_options_deny
 from django.views.decorators.http import require_http_methods
 
 from ..conf import durable_settings
+from ..core.states import StateKind
 from ..models import Job, Pause
-from ..scopes import kind_q
-from ..states import StateKind
+from ..reads.scopes import kind_q
 
 # Characters of pretty-printed JSON shown before a payload is cut.
 PAYLOAD_CHARS = 4000

@@ -5,8 +5,9 @@ import datetime
 from django import forms
 from django.template.response import TemplateResponse
 
-from .. import locking, reports
-from ..workflows import registry
+from ..core.workflows import registry
+from ..reads import reports
+from ..store import locking
 from .base import context, require_view
 from .charts import OTHER, columns_chart
 

@@ -11,22 +11,12 @@ from django.contrib import messages
 from django.http import HttpResponseRedirect
 from django.template.response import TemplateResponse
 
-from .. import reports, services
+from ..core.workflows import registry
 from ..exceptions import DurableError
 from ..models import Job, Outbox
-from ..workflows import registry
-from .base import (
-    JOB_KINDS,
-    admin_url,
-    back_to,
-    context,
-    form_reason,
-    job_url,
-    jobs_url,
-    require,
-    require_view,
-    tab_url,
-)
+from ..reads import reports
+from ..verbs import jobs as services
+from .base import JOB_KINDS, admin_url, back_to, context, form_reason, job_url, jobs_url, require, require_view, tab_url
 from .bulk import confirm_bulk
 from .charts import hbar_chart
 from .jobs import VERBS

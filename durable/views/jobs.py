@@ -17,29 +17,23 @@ from django.http import Http404, HttpResponseRedirect
 from django.shortcuts import get_object_or_404
 from django.template.response import TemplateResponse
 
-from .. import answers, formats, locking, reports, services
 from ..conf import durable_settings
+from ..core import formats
+from ..core.states import CANCELLED, CLAIMABLE_KINDS, StateKind
+from ..core.workflows import registry
 from ..exceptions import DurableError, OperatorError
 from ..models import Job, OutboxStatus, Pause, Signal, StepResult
-from ..states import CANCELLED, CLAIMABLE_KINDS, StateKind
-from ..workflows import registry
+from ..reads import reports
+from ..store import locking
+from ..verbs import answers
+from ..verbs import jobs as services
 from . import waits as job_waits
 from .answers import answer_form
-from .base import (
-    admin_url,
-    context,
-    form_reason,
-    job_url,
-    jobs_url,
-    require,
-    short_hashes,
-    show_json,
-    url_or_blank,
-)
+from .base import admin_url, context, form_reason, job_url, jobs_url, require, short_hashes, show_json, url_or_blank
 
 
 def _grant(job_id, *, user, reason, turns=0, budget=None):
-    from ..agent_actions import grant
+    from ..agents.tools import grant
 
     try:
         turns = int(turns or 0)
@@ -292,7 +286,7 @@ def job_detail(request, model_admin, object_id):
     open_children = len(services.unfinished_children(job.pk)) if child_count else 0
     agent = None
     if getattr(definition, "runs_itself", False):
-        from ..agent_pages import turns_of
+        from .agents import turns_of
 
         agent = turns_of(job, show=lambda value: show_json(value, user, limit=2000))
     send_back_to = []

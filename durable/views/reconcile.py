@@ -8,19 +8,11 @@ from django.contrib import messages
 from django.http import Http404, HttpResponseRedirect
 from django.template.response import TemplateResponse
 
-from .. import locking, reconcile
+from ..actions import reconcile
 from ..exceptions import DurableError
 from ..models import EventKind, JobEvent, Outbox, OutboxStatus
-from .base import (
-    admin_url,
-    context,
-    form_reason,
-    job_url,
-    require,
-    require_view,
-    show_json,
-    url_or_blank,
-)
+from ..store import locking
+from .base import admin_url, context, form_reason, job_url, require, require_view, show_json, url_or_blank
 
 DECISIONS = {
     # decision: (service in durable.reconcile, label, what it does)

@@ -9,9 +9,11 @@ from django.core.exceptions import ImproperlyConfigured
 from django.http import Http404, HttpResponseRedirect
 from django.template.response import TemplateResponse
 
-from .. import locking, schedules, services
 from ..exceptions import DurableError
 from ..models import ScheduleEvent
+from ..schedules import firing as schedules
+from ..store import locking
+from ..verbs import jobs as services
 from .base import admin_url, context, form_reason, job_url, jobs_url, require, require_view
 
 # verb: (service, permission, label, what it does)

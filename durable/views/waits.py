@@ -6,8 +6,8 @@ up. The job page shows these, prefills its Deliver form with the name, and warns
 a signal is delivered under a name no open wait of the job reads.
 """
 
+from ..core.states import StateKind
 from ..models import Wait, WaitKind
-from ..states import StateKind
 
 
 def open_waits(job_id):

@@ -10,8 +10,8 @@ import datetime
 
 from django.template.response import TemplateResponse
 
-from .. import locking
 from ..models import Job, ProcessRole, WorkerProcess
+from ..store import locking
 from .base import context, job_url, require_view
 
 # Beats a process may miss before the page calls it stale.

@@ -5,7 +5,7 @@
     issue_refund   action tool: a refund at the payments service; above REFUND_APPROVAL_ABOVE
                    a person approves the exact refund first, in the console's approval queue
 
-The model is reached through the real ``openai`` client (``durable.llm.OpenAIChat``);
+The model is reached through the real ``openai`` client (``durable.agents.llm.OpenAIChat``);
 ``manage.py demo`` serves it from ``durable.testing.FakeModelServer`` on 127.0.0.1
 playing ``support_model.support_script``, and sets ``DEMO_MODEL_URL``.
 """
@@ -17,8 +17,8 @@ from typing import Literal
 from django.conf import settings
 
 from durable import Action, Retry
-from durable.agents import AgentWorkflow, ToolError, tool
-from durable.llm import OpenAIChat
+from durable.agents.llm import OpenAIChat
+from durable.agents.workflow import AgentWorkflow, ToolError, tool
 
 # Refunds above this many euros wait for a person's approval before they are sent.
 REFUND_APPROVAL_ABOVE = Decimal(os.environ.get("DEMO_REFUND_APPROVAL_ABOVE", "100"))

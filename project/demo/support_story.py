@@ -18,10 +18,11 @@ from django.conf import settings
 from django.db.models import Sum
 from django.urls import reverse
 
-from durable import formats, services
-from durable.fake_openai import turn_of
+from durable.core import formats
 from durable.models import Approval, EventKind, Job, JobEvent, Outbox, StepResult
 from durable.testing import FakeModelServer, ReceiverProcess, read_store
+from durable.testing.fake_openai import turn_of
+from durable.verbs import jobs as services
 
 from .processes import in_group, pid_of
 from .support import MODEL, REFUND_APPROVAL_ABOVE, REQUESTS

@@ -30,9 +30,9 @@ def main(argv=None):
     from django.db.models import Avg, Count, Sum
 
     import durable
-    from durable import services
     from durable.exceptions import DurableError
     from durable.models import Job, JobEvent, StepResult
+    from durable.verbs import jobs as services
 
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 from django.db.models import Count
 
+from durable.core.states import StateKind
+from durable.core.workflows import registry
 from durable.models import EventKind, Job, JobEvent, Outbox, StepResult
-from durable.states import StateKind
-from durable.workflows import registry
 
 from . import lab as lab_module
 
@@ -250,7 +250,7 @@ def duplicate_executions(started, memos, events, hit_pids, log=None):
 
 def count(lab, drill, *, began, effects=None, extra=None):
     """Count everything for the jobs ``lab`` submitted; ``effects``: (job, kind) per applied action."""
-    from durable import locking
+    from durable.store import locking
 
     row = Counts(drill=drill, database=lab.database, jobs=len(lab.submitted))
     row.seconds = time.monotonic() - began

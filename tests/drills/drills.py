@@ -745,7 +745,7 @@ def _refund_jobs(lab, prefix, count_):
 
 def approve_all(keys, user="drill-operator"):
     """Approve every open proposal of ``keys`` as an operator would, bound to its hash."""
-    from durable.approvals import approve
+    from durable.actions.approvals import approve
     from durable.models import Approval, ApprovalStatus
 
     approved = 0

@@ -21,9 +21,9 @@ from django.db import connection
 from django.db.models import Exists, OuterRef, Q
 
 import durable
+from durable.core.states import StateKind
+from durable.core.workflows import registry
 from durable.models import Job, Outbox
-from durable.states import StateKind
-from durable.workflows import registry
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 

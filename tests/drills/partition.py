@@ -134,8 +134,8 @@ def _held_by(hosts, host):
 
 def _finished_at(keys):
     """Database time each of ``keys`` reached its terminal state (job id -> datetime)."""
+    from durable.core.workflows import registry
     from durable.models import Job, JobEvent
-    from durable.workflows import registry
 
     terminal = {}
     for job in Job.objects.filter(pk__in=keys).values("id", "workflow", "state"):
@@ -180,7 +180,7 @@ def _last_event_id():
 
 
 def _cut(net, hosts, kind, host, links):
-    from durable import locking
+    from durable.store import locking
 
     marker = _last_event_id()
     pids = hosts.pids(host)

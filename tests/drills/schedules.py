@@ -27,8 +27,9 @@ from collections import Counter
 
 from django.test import override_settings
 
-from durable import cron, schedules
 from durable.models import EventKind, Job, JobEvent, ScheduleEvent, ScheduleEventKind, ScheduleState
+from durable.schedules import cron
+from durable.schedules import firing as schedules
 
 from .counts import count
 

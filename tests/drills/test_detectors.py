@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
+from durable.core.states import StateKind
+from durable.engine.runner import Runner
 from durable.models import EventKind, JobEvent, StepResult
-from durable.runner import Runner
-from durable.states import StateKind
 
 from .counts import Counts, duplicate_executions, read_executions, stale_writes, table
 from .lab import sigkill_deaths

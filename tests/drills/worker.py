@@ -18,7 +18,7 @@ def main(argv=None):
     import django
 
     django.setup()
-    from durable.supervisor import _run_role
+    from durable.engine.supervisor import _run_role
 
     options = {"threads": int(argv[1])} if len(argv) > 1 else {}
     _run_role("worker", int(argv[0]) if argv else 0, options)

@@ -10,7 +10,7 @@ the payload (``{"destination": "crm"}``).
 import os
 
 from durable import Action, Retry, Workflow, step
-from durable.destinations import Destination, HttpDestination, register
+from durable.actions.destinations import Destination, HttpDestination, register
 
 # Fast retries and lookups, so a test waits milliseconds, not the production backoff.
 FAST = Retry(max_attempts=3, base=0.05, cap=0.2)

@@ -101,7 +101,7 @@ class RefundReview(Refund):
 
 def use_refunds_receiver(url):
     """Point the ``refunds`` destination at a durable.testing receiver (deduplicating, with lookup)."""
-    from durable.destinations import HttpDestination, register
+    from durable.actions.destinations import HttpDestination, register
 
     return register(HttpDestination(
         "refunds", url=f"{url}/actions", idempotent=True,

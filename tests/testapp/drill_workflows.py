@@ -18,7 +18,7 @@ import os
 import time
 
 from durable import Action, Retry, Workflow, faults, step
-from durable.destinations import Destination, HttpDestination, register
+from durable.actions.destinations import Destination, HttpDestination, register
 
 # Kills during a drill hit a step again and again; a real poison job would fail after
 # the default attempts, but a drill must see every job through to count it.

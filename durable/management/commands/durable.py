@@ -6,9 +6,11 @@ import json
 from django.core.management.base import BaseCommand, CommandError
 from django.core.serializers.json import DjangoJSONEncoder
 
-from durable import formats, reports, services
-from durable.exceptions import DurableError
-from durable.workflows import registry
+from ...core import formats
+from ...core.workflows import registry
+from ...exceptions import DurableError
+from ...reads import reports
+from ...verbs import jobs as services
 
 
 class Command(BaseCommand):
@@ -44,7 +46,7 @@ class Command(BaseCommand):
         return getattr(self, f"do_{verb.replace('-', '_')}")(**options)
 
     def do_rollup(self, **options):
-        from durable import rollups
+        from ...store import rollups
 
         through = rollups.roll_up()
         self.stdout.write(f"memo costs rolled up through {through['costs']:%Y-%m-%d %H:%M} UTC,"
@@ -63,7 +65,7 @@ class Command(BaseCommand):
             self.stdout.write(f"tool {tool.name}: {what}")
 
     def do_grant(self, job, turns, budget, reason, user, **options):
-        from durable.agent_actions import grant
+        from ...agents.tools import grant
 
         try:
             done = grant(job, turns=turns, budget=budget, user=user, reason=reason)
@@ -96,8 +98,8 @@ class Command(BaseCommand):
         self._each(services.retry_now, jobs, reason, user, "due now")
 
     def do_question(self, job, **options):
-        from durable import answers
-        from durable.models import Job
+        from ...models import Job
+        from ...verbs import answers
 
         found = Job.objects.filter(pk=job).first()
         q = answers.question(found) if found is not None else None
@@ -112,8 +114,8 @@ class Command(BaseCommand):
                           f" (steps: {steps})")
 
     def do_answer(self, job, set_fields, value, reason, user, **options):
-        from durable import answers
-        from durable.models import Job
+        from ...models import Job
+        from ...verbs import answers
 
         found = Job.objects.filter(pk=job).first()
         q = answers.question(found) if found is not None else None
@@ -139,8 +141,8 @@ class Command(BaseCommand):
                           f" ({done.state}, due now)")
 
     def do_send_back(self, job, step, reason, user, **options):
-        from durable import answers
-        from durable.models import Job
+        from ...models import Job
+        from ...verbs import answers
 
         found = Job.objects.filter(pk=job).first()
         q = answers.question(found) if found is not None else None
@@ -156,7 +158,7 @@ class Command(BaseCommand):
         self.stdout.write(f"{job}: sent back; it runs again from {done.state}")
 
     def do_purge(self, older_than, batch_size, keep_costs, workflow, dry_run, **options):
-        from durable import rollups
+        from ...store import rollups
 
         try:
             age = services.parse_age(older_than)
@@ -199,7 +201,7 @@ class Command(BaseCommand):
     def do_schedules(self, action, name, reason, user, as_json, **options):
         from django.core.exceptions import ImproperlyConfigured
 
-        from durable import schedules
+        from ...schedules import firing as schedules
 
         if action != "list":
             if not name:
@@ -280,9 +282,9 @@ def add_answer_arguments(sub):
 
 def where_to_go(job_id):
     """Where a person acts on ``job_id`` next, in one sentence ("" when nothing is needed)."""
-    from durable import answers
-    from durable.models import Job
-    from durable.states import StateKind
+    from ...core.states import StateKind
+    from ...models import Job
+    from ...verbs import answers
 
     job = Job.objects.filter(pk=job_id).first()
     if job is None:

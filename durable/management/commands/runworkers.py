@@ -4,8 +4,8 @@ import sys
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from durable.supervisor import Supervisor, catch_early_signals
-from durable.workflows import registry
+from ...core.workflows import registry
+from ...engine.supervisor import Supervisor, catch_early_signals
 
 
 class _Verbosity(logging.Filter):

@@ -27,11 +27,12 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db.models import Count, Sum
 from django.urls import NoReverseMatch, reverse
 
-from durable import formats, services
+from durable.core import formats
+from durable.core.states import StateKind
+from durable.core.workflows import registry
 from durable.models import EventKind, Job, JobEvent, Outbox, StepResult
-from durable.states import StateKind
 from durable.testing import ReceiverProcess, read_store
-from durable.workflows import registry
+from durable.verbs import jobs as services
 
 from ...processes import in_group, pid_of
 from ...support_story import SupportStory

@@ -1,0 +1,570 @@
+"""The worker process: claim, run, repeat, on many threads; renew leases; enforce step timeouts.
+
+``Worker.run()`` is the loop of one process; ``stop()`` is idempotent. A process runs
+``threads`` slots (``runworkers --threads``, ``DURABLE["THREADS"]``): each slot is a
+thread that claims and runs its own job with its own ``Runner``, lease owner id and
+database connection, because a model or tool call waits seconds on the network and a
+waiting thread releases the GIL. With one thread the loop runs on the main thread, as
+it always did. One ``Heartbeat`` per process renews the leases of every step in flight
+with one statement and enforces each step's timeout.
+
+The first SIGTERM (or SIGINT) drains: no slot claims anything new, every step in flight
+finishes and its job is released. The second exits at once, which is as safe as a
+crash: leases expire.
+"""
+
+import logging
+import os
+import queue
+import threading
+import time
+
+from django.db import connection, connections
+from django.db.utils import DatabaseError, InterfaceError
+
+from .. import faults
+from ..conf import bound_database_connections, durable_settings
+from ..schedules import firing as schedules
+from ..store import locking, rollups
+from .process import Drains, Waiter, keep_connections_healthy, worker_id
+from .runner import Runner
+
+logger = logging.getLogger("durable.worker")
+
+# Exit status of a one-thread process that abandoned a step past its timeout: the
+# supervisor replaces it, because the step's thread cannot be stopped from inside Python.
+EXIT_STEP_TIMEOUT = 75
+# Exit status of a process that abandoned a step whose lease it could not renew.
+EXIT_LEASE_UNRENEWABLE = 76
+# Exit status of a threaded process recycled because more step threads than
+# DURABLE["MAX_ABANDONED_THREADS"] were left running past their timeouts: it drained
+# its other steps first, and the supervisor replaces it at once.
+EXIT_THREADS_ABANDONED = 77
+
+
+class _Lease:
+    """What the heartbeat knows of one watched step's lease, in monotonic seconds."""
+
+    __slots__ = ("failing", "in_flight", "lost", "renewed")
+
+    def __init__(self, now):
+        self.renewed = now  # the lease was (re)set no earlier than this
+        self.in_flight = False  # a renewal that includes this lease is being sent now
+        self.failing = False  # the last renewal raised a database error
+        self.lost = False  # the database said the lease is gone: the commit will be refused
+
+
+class _Watched:
+    """One step in flight: its job, its timeout clock, its lease."""
+
+    __slots__ = ("began", "cancelled_at", "ident", "lease", "on_timeout", "started", "timeout")
+
+    def __init__(self, started, timeout, on_timeout, now, ident):
+        self.started = started
+        self.began = now  # the timeout counts from here (an agent restarts it per call)
+        self.timeout = timeout
+        self.on_timeout = on_timeout
+        self.lease = _Lease(now)
+        self.ident = ident  # the thread running the step
+        self.cancelled_at = None  # an async step's coroutine was cancelled at this time
+
+
+class Heartbeat(threading.Thread):
+    """Renews the leases of every step in flight in this process, and enforces their timeouts.
+
+    One thread per process (not per step), so short steps cost nothing: it only touches
+    the database once a third of a lease has passed, and then renews every lease the
+    process holds in one statement (``locking.renew_leases``). Renewals are sent from a
+    second thread, so a renewal that hangs on an unreachable database never stops this
+    one from keeping the leases' deadlines: when renewals failed or hung until a lease
+    is about to end, the process gives up every step uncommitted and exits (another
+    worker takes the jobs over once their leases passed; the database is unreachable
+    from this process, so none of its steps could commit anyway).
+
+    A step past its timeout: an ``async def`` step's coroutine is cancelled (the step
+    thread records the failure itself, see ``durable.aio``); a plain function cannot be
+    stopped, so its failure is recorded (fenced) as retryable from another thread, its
+    thread is abandoned, and ``on_abandoned`` decides what happens to the process. Without
+    it (one thread per process) the process exits, to be replaced.
+    """
+
+    def __init__(self, lease_seconds, tick=0.2, on_abandoned=None):
+        super().__init__(name="durable-heartbeat", daemon=True)
+        self.lease_seconds = lease_seconds
+        # Give up a little before the lease ends: the lease was set by a statement that
+        # ran shortly before this process learnt of it.
+        self.margin = min(float(durable_settings.LEASE_MARGIN_SECONDS), lease_seconds / 10)
+        self.tick = tick
+        self.on_abandoned = on_abandoned
+        # How long a cancelled coroutine may take to end before its thread is abandoned.
+        self.cancel_grace = max(self.margin, 1.0)
+        self._lock = threading.Lock()
+        self._watched = {}  # thread ident -> _Watched: each thread runs one step at a time
+        self._stop_event = threading.Event()
+        self._renewals = queue.SimpleQueue()
+        self._renewer = None
+        self._recorders = []  # threads recording step timeouts
+        self._batch = None  # when the renewal being sent now was started
+        self._attempted = None  # when the last renewal was started
+
+    # Called from the step threads -------------------------------------------------
+
+    def watch(self, started, timeout, on_timeout):
+        """Watch the step the calling thread is about to run: renew its lease, time it."""
+        now = time.monotonic()
+        ident = threading.get_ident()
+        with self._lock:
+            self._watched[ident] = _Watched(started, timeout, on_timeout, now, ident)
+
+    def unwatch(self):
+        """The calling thread's step returned: stop renewing its lease and timing it."""
+        with self._lock:
+            self._watched.pop(threading.get_ident(), None)
+
+    def restart_timeout(self, started, renewed_at=None):
+        """Start the watched step's timeout again: an agent's run bounds each call, not the whole run.
+
+        ``renewed_at`` (monotonic, taken before the statement) says when a commit of the
+        run set the lease afresh; the lease's deadline is otherwise left as it was.
+        """
+        with self._lock:
+            watched = self._watched.get(threading.get_ident())
+            if watched is None or watched.started is not started:
+                return
+            if renewed_at is not None and not watched.lease.lost:
+                watched.lease.renewed = max(watched.lease.renewed, renewed_at)
+            watched.began = time.monotonic()
+
+    @property
+    def in_flight(self):
+        """How many steps this heartbeat watches now."""
+        with self._lock:
+            return len(self._watched)
+
+    def doing(self):
+        """``{thread ident: (job, step, seconds since its current call began)}``, from memory."""
+        now = time.monotonic()
+        with self._lock:
+            return {w.ident: (w.started.claimed.id, w.started.step.name, now - w.began)
+                    for w in self._watched.values()}
+
+    # The heartbeat's own thread ----------------------------------------------------
+
+    def stop(self):
+        self._stop_event.set()
+        self._renewals.put(None)
+
+    def run(self):
+        while not self._stop_event.wait(self.tick):
+            self._tick()
+
+    def _tick(self):
+        """One round: time out steps past their timeout, keep the deadlines, renew what is due."""
+        now = time.monotonic()
+        with self._lock:
+            watched = list(self._watched.values())
+        for entry in watched:
+            if entry.timeout and now - entry.began > entry.timeout:
+                self._timed_out(entry, now)
+        with self._lock:
+            live = [w for w in self._watched.values() if not w.lease.lost]
+            for entry in live:
+                lease = entry.lease
+                unrenewable = self._batch is not None or lease.failing
+                if unrenewable and now >= lease.renewed + self.lease_seconds - self.margin:
+                    self._abandon(entry.started, now - lease.renewed)
+            if not any(now - w.lease.renewed >= self.lease_seconds / 3 for w in live):
+                return
+            if self._batch is not None or (self._attempted is not None
+                                           and now - self._attempted < self.lease_seconds / 10):
+                return
+            # Every lease past a sixth rides along with the one that is due: the leases
+            # of a busy process line up, and a round costs one statement.
+            batch = [w for w in live if now - w.lease.renewed >= self.lease_seconds / 6]
+            for entry in batch:
+                entry.lease.in_flight = True
+            self._batch = self._attempted = now
+        self._renew_in_background(batch, now)
+
+    def _timed_out(self, entry, now):
+        from ..core import aio
+
+        elapsed = now - entry.began
+        with self._lock:
+            if self._watched.get(entry.ident) is not entry:
+                return  # the step finished meanwhile
+            if entry.cancelled_at is None and aio.cancel(entry.ident):
+                # An async step: its coroutine is cancelled, and the step's own thread
+                # records the timeout as its failure. Nothing is abandoned.
+                entry.cancelled_at = now
+                logger.error("job=%s step=%s timed out after %.1fs; its coroutine was cancelled",
+                             entry.started.claimed.id, entry.started.step.name, elapsed)
+                return
+            if entry.cancelled_at is not None and now - entry.cancelled_at < self.cancel_grace:
+                return
+            del self._watched[entry.ident]
+        started = entry.started
+        if self.on_abandoned is None:
+            logger.error("job=%s step=%s timed out after %.1fs; replacing this process",
+                         started.claimed.id, started.step.name, elapsed)
+            try:
+                entry.on_timeout(started, elapsed)
+            finally:
+                logging.shutdown()
+                os._exit(EXIT_STEP_TIMEOUT)
+        logger.error("job=%s step=%s timed out after %.1fs; its thread is abandoned, the job"
+                     " retried, the process serves its other jobs",
+                     started.claimed.id, started.step.name, elapsed)
+        # Recorded from a thread of its own: a database that hangs must not stop this
+        # thread from keeping the other leases' deadlines.
+        recorder = threading.Thread(target=self._record_timeout, args=(entry, elapsed),
+                                    name="durable-step-timeout", daemon=True)
+        with self._lock:
+            self._recorders = [t for t in self._recorders if t.is_alive()] + [recorder]
+        recorder.start()
+        self.on_abandoned(entry.ident, started)
+
+    def finish_recordings(self, timeout):
+        """Wait (at most ``timeout`` seconds) for the timeouts being recorded: before an exit."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            recorders = list(self._recorders)
+        for recorder in recorders:
+            recorder.join(max(0.0, deadline - time.monotonic()))
+
+    def _record_timeout(self, entry, elapsed):
+        try:
+            # Fenced by the lease token: the abandoned thread's late commit is refused
+            # (the lease is gone), and another worker may take the job.
+            entry.on_timeout(entry.started, elapsed)
+        except Exception:  # noqa: BLE001 - the lease, no longer renewed, expires instead
+            logger.exception("job=%s: recording the step timeout failed; its lease will expire",
+                             entry.started.claimed.id)
+        finally:
+            connection.close()
+
+    def _abandon(self, started, silent):
+        # The database did not confirm a renewal before the lease ends: another worker
+        # may take the job over now, and this one could keep nothing it produced (its
+        # commit would be refused). Stop spending on the step (a model call's result
+        # it cannot keep), commit nothing, and let the supervisor start a fresh process
+        # (a Python thread running user code cannot be stopped from outside).
+        logger.error("job=%s step=%s: no lease renewal confirmed for %.1fs (database unreachable?);"
+                     " abandoning the step uncommitted and replacing this process",
+                     started.claimed.id, started.step.name, silent)
+        logging.shutdown()
+        os._exit(EXIT_LEASE_UNRENEWABLE)
+
+    def _renew_in_background(self, batch, asked):
+        if self._renewer is None:
+            self._renewer = threading.Thread(target=self._renew_loop, name="durable-lease-renewal",
+                                             daemon=True)
+            self._renewer.start()
+        self._renewals.put((batch, asked))
+
+    def _renew_loop(self):
+        try:
+            while (item := self._renewals.get()) is not None:
+                self._renew(*item)
+        finally:
+            connection.close()
+
+    def _renew(self, batch, asked):
+        held = [(w.started.claimed.id, w.started.claimed.lease_token) for w in batch]
+        try:
+            renewed = locking.renew_leases(held, self.lease_seconds)
+        except DatabaseError as exc:
+            logger.warning("lease renewal failed (will retry): %s", exc)
+            connection.close()
+            with self._lock:
+                self._batch = None
+                for entry in batch:
+                    entry.lease.in_flight, entry.lease.failing = False, True
+            return
+        lost = []
+        with self._lock:
+            self._batch = None
+            for entry in batch:
+                lease = entry.lease
+                lease.in_flight, lease.failing = False, False
+                if entry.started.claimed.id in renewed:
+                    # The new lease runs from a moment after ``asked``: counting from
+                    # ``asked`` errs on the safe side.
+                    lease.renewed = max(lease.renewed, asked)
+                elif self._watched.get(entry.ident) is entry:
+                    lease.lost = True
+                    lost.append(entry)
+        for entry in lost:
+            logger.warning("job=%s lease lost while step %s runs; its result will be discarded",
+                           entry.started.claimed.id, entry.started.step.name)
+
+
+class _Slot(threading.Thread):
+    """One thread of a worker process: its own Runner, lease owner id and connection."""
+
+    def __init__(self, worker, runner, index):
+        super().__init__(name=f"durable-slot{index}", daemon=True)
+        self.worker = worker
+        self.runner = runner
+        self.abandoned = False  # its step ran past its timeout; a replacement took its place
+
+    def run(self):
+        try:
+            self.worker.serve(self)
+        except BaseException:
+            # What would end a one-thread process ends this one, gently: the other
+            # slots drain, and the supervisor starts a fresh process.
+            if not self.abandoned:
+                logger.exception("%s crashed; draining the process", self.runner.owner)
+                self.worker.exit_code = self.worker.exit_code or 1
+                self.worker.stop()
+            else:
+                logger.exception("%s (abandoned) ended with an error", self.runner.owner)
+        finally:
+            # Django's connections are per thread: this one's dies with it.
+            connections.close_all()
+            self.worker.slot_ended(self)
+
+
+class _NoListener:
+    """What a slot hands to the database-error backoff instead of the shared waiter."""
+
+    @staticmethod
+    def close():
+        pass
+
+
+class Worker(Drains):
+    """One worker process's loop, on ``threads`` slots."""
+
+    draining_message = "finishing the steps in flight, then exiting"
+
+    def __init__(self, *, name=None, workflows=None, queues=None, burst=False,
+                 lease_seconds=None, poll_interval=None, listen_turns=None, threads=None,
+                 until_stopped=False):
+        super().__init__()
+        self.name = name or worker_id()
+        self.workflows = workflows or None
+        self.queues = queues or None
+        self.burst = burst
+        # A burst that waits for work until stop(): runworkers --burst, whose supervisor
+        # ends it when nothing is left (an action sent may make a job due again).
+        self.until_stopped = until_stopped
+        self.lease_seconds = lease_seconds or durable_settings.LEASE_SECONDS
+        self.threads = int(threads or durable_settings.THREADS)
+        self.max_abandoned = int(durable_settings.MAX_ABANDONED_THREADS)
+        # With one thread a step past its timeout replaces the process, as it always
+        # did; with more, the process keeps serving its other jobs.
+        self.heartbeat = Heartbeat(self.lease_seconds,
+                                   on_abandoned=self._abandoned if self.threads > 1 else None)
+        self.waiter = Waiter(poll_interval or durable_settings.POLL_INTERVAL, turns=listen_turns)
+        self.steps_run = 0
+        # Every worker may fire schedules (one job per tick whoever fires) and roll up
+        # costs and state moves for the console (about once a minute); a burst drains.
+        # One slot at a time does each: the firing before its claim, the roll-ups when idle.
+        self.firer = None if burst else schedules.Firer()
+        interval = durable_settings.ROLLUP_INTERVAL
+        self.rollups = None if burst or not interval else rollups.RollUps(interval)
+        self.exit_code = 0
+        self._lock = threading.Lock()
+        self._bell = threading.Condition(self._lock)  # idle slots wait here
+        self._listening = threading.Lock()  # held by the idle slot that waits on the database
+        self._firing = threading.Lock()
+        self._claiming = threading.Lock()
+        self._slots = []
+        self._next_index = 0
+        self._slot_ended = threading.Event()
+        self.runner = self._new_runner()
+
+    def _new_runner(self):
+        index = self._next_index
+        self._next_index += 1
+        # The lease owner id of each slot: the process's name (host:pid:worker<N>) for the
+        # first, with .<slot> for the others, so events and leases say which thread held a job.
+        owner = f"{self.name}.{index}" if index else self.name
+        runner = Runner(owner, self.heartbeat, self.lease_seconds, self.workflows, self.queues,
+                        drain=self.drain)
+        return runner
+
+    def stop(self):
+        """Stop claiming; the steps in flight finish and the loop exits. Idempotent."""
+        self.drain.set()
+        with self._bell:
+            self._bell.notify_all()
+
+    def run(self):
+        faults.configure()
+        bound_database_connections()
+        self.heartbeat.start()
+        logger.info("%s started (lease %ss, %d thread%s%s)", self.name, self.lease_seconds,
+                    self.threads, "" if self.threads == 1 else "s", ", burst" if self.burst else "")
+        try:
+            if self.threads == 1:
+                self.serve(None)
+            else:
+                self._run_slots()
+        finally:
+            # A timeout being recorded is the job's retry: let it land before leaving
+            # (a database that does not answer leaves the job to its lease instead).
+            self.heartbeat.finish_recordings(self.lease_seconds / 2)
+            self.heartbeat.stop()
+            self.waiter.close()
+            logger.info("%s stopped", self.name)
+        if self.exit_code:
+            # Abandoned threads may still be inside user code: leave without waiting.
+            logging.shutdown()
+            os._exit(self.exit_code)
+
+    def _run_slots(self):
+        with self._lock:
+            first = _Slot(self, self.runner, 0)
+            self._slots.append(first)
+            for _ in range(self.threads - 1):
+                self._slots.append(_Slot(self, self._new_runner(), self._next_index - 1))
+            slots = list(self._slots)
+        for slot in slots:
+            slot.start()
+        # The main thread only waits (signals are delivered to it) until every slot that
+        # was not abandoned has ended.
+        while True:
+            with self._lock:
+                serving = [s for s in self._slots if not s.abandoned and s.is_alive()]
+                unstarted = [s for s in self._slots if s.ident is None]
+            if not serving and not unstarted:
+                return
+            self._slot_ended.wait(0.2)
+            self._slot_ended.clear()
+
+    def activity(self):
+        """What each slot does now, for the workers page: read from memory, never the database."""
+        doing = self.heartbeat.doing()
+        with self._lock:
+            slots = [(s.name, s.ident, s.abandoned) for s in self._slots]
+        if self.threads == 1:
+            slots = [("main", threading.main_thread().ident, False)]
+        found = []
+        for name, ident, abandoned in slots:
+            job, step, seconds = doing.get(ident, ("", "", 0.0))
+            found.append({"slot": name, "job": job, "step": step, "for": round(seconds, 1),
+                          "abandoned": abandoned})
+        return found
+
+    def slot_ended(self, slot):
+        with self._lock:
+            if slot in self._slots:
+                self._slots.remove(slot)  # an abandoned thread that ended is stuck no more
+        self._slot_ended.set()
+
+    def serve(self, slot):
+        """The loop of one slot (``None``: the one-thread process's main thread)."""
+        runner = self.runner if slot is None else slot.runner
+        # A slot backing off from a database error must not close the LISTEN connection
+        # another slot may be waiting on; the listening slot closes it itself.
+        waiter = self.waiter if slot is None else _NoListener
+        failures = 0
+        had_work = True  # a burst's slot that finds nothing at start says so too
+        # Only the first slot claims at start; the others wait to be rung by a slot that
+        # found work, so an idle process does not storm the database with claims.
+        wait_first = slot is not None and slot.runner is not self.runner and not self.burst
+        while not self.stopping and not (slot is not None and slot.abandoned):
+            try:
+                if wait_first:
+                    self._wait_for_work(slot)
+                    wait_first = False
+                    continue
+                keep_connections_healthy()
+                self._maybe_fire()
+                # One claim at a time per process: slots queue here, not on SQLite's
+                # write lock (whose busy waits sleep up to 100 ms, long enough for a
+                # drain to begin meanwhile); the runner looks at the drain flag at the
+                # claim itself.
+                with self._claiming:
+                    started = runner.claim(self.workflows, self.queues)
+                if started is None:
+                    if self.burst and not self.until_stopped:
+                        break
+                    if had_work:
+                        self.went_idle()
+                        had_work = False
+                    self._wait_for_work(slot)
+                    continue
+                had_work = True
+                if slot is not None:
+                    self._ring()  # there may be more: let another idle slot look
+                runner.run(started)
+                failures = 0
+            except (DatabaseError, InterfaceError) as exc:
+                failures += 1
+                self.recover_from_database_error(exc, failures, waiter)
+
+    def _maybe_fire(self):
+        if self.firer is not None and self._firing.acquire(blocking=False):
+            try:
+                self.firer.maybe_fire()
+            finally:
+                self._firing.release()
+
+    def _wait_for_work(self, slot):
+        """Until there may be work: a slot whose wait for a ring timed out claims nothing (a
+        claim on SQLite takes the write lock), it waits again."""
+        while not self._idle(slot) and not self.stopping:
+            pass
+
+    def _idle(self, slot):
+        """Wait for new work: one slot waits on the database, the others on that slot.
+
+        True when there may be work (the database said so, the poll interval passed, or
+        a slot that found work rang); False when a slot's wait for a ring timed out.
+        """
+        if self.rollups is not None and self._firing.acquire(blocking=False):
+            try:  # the console's roll-ups, about once a minute, when there is nothing to claim
+                self.rollups.maybe_run()
+            finally:
+                self._firing.release()
+        if slot is None:
+            self.waiter.wait(lambda: self.stopping)
+            return True
+        if self._listening.acquire(blocking=False):
+            try:
+                self.waiter.wait(lambda: self.stopping)
+            except (DatabaseError, InterfaceError):
+                self.waiter.close()
+                raise
+            finally:
+                self._listening.release()
+            self._ring()
+            return True
+        with self._bell:
+            if self.stopping:
+                return True
+            return self._bell.wait(self.waiter.poll_interval)
+
+    def _ring(self):
+        """Wake one idle slot: it claims too (and, finding work, wakes the next)."""
+        with self._bell:
+            self._bell.notify()
+
+    def _abandoned(self, ident, started):
+        """The heartbeat gave up on the step of thread ``ident``: replace it, or recycle."""
+        replacement = None
+        with self._lock:
+            slot = next((s for s in self._slots if s.ident == ident), None)
+            if slot is not None:
+                slot.abandoned = True
+            stuck = sum(1 for s in self._slots if s.abandoned and s.is_alive())
+            recycle = stuck > self.max_abandoned
+            if not recycle and not self.stopping:
+                # Appended before the main thread can see no slot serving.
+                replacement = _Slot(self, self._new_runner(), self._next_index - 1)
+                self._slots.append(replacement)
+        if recycle:
+            logger.error("%s: %d step threads are still running past their timeouts (more than"
+                         " MAX_ABANDONED_THREADS=%d); draining, then exiting to be replaced",
+                         self.name, stuck, self.max_abandoned)
+            self.exit_code = EXIT_THREADS_ABANDONED
+            self.stop()
+        elif replacement is not None:
+            replacement.start()
+            logger.warning("%s: %s took the place of the abandoned thread (%d abandoned"
+                           " thread%s still running)", self.name, replacement.runner.owner, stuck,
+                           "" if stuck == 1 else "s")

@@ -1,0 +1,1 @@
+"""The operators' questions answered as plain data: reports, failure groups, alerts, metrics."""

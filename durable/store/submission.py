@@ -1,0 +1,93 @@
+"""Submitting a job: the key and payload rules, and the idempotent insert.
+
+``durable.submit`` and ``durable.services.submit`` are this ``submit``; the task backend,
+the schedules and ``ctx.spawn`` submit through it too, and the inbox refuses a signal's
+payload by the same rules (``normalise_payload``).
+"""
+
+import contextlib
+import json
+
+from django.core.serializers.json import DjangoJSONEncoder
+from django.db import connection, transaction
+
+from ..conf import durable_settings
+from ..core import identity
+from ..core.workflows import registry
+from ..exceptions import IdempotencyConflict, PayloadInvalid
+from ..models import Job
+from . import locking
+
+
+def normalise_payload(payload, as_json=False):
+    """``payload`` as it is stored (or its JSON text): PayloadInvalid when it cannot be.
+
+    JSON-serialisable, no NUL character or lone surrogate (PostgreSQL refuses them, so
+    SQLite must too), within ``DURABLE["MAX_PAYLOAD_BYTES"]``.
+    """
+    if payload is None:
+        # JSONField stores None as SQL NULL, which the column refuses: say so up front.
+        raise PayloadInvalid("The payload is None; submit {} for a job that needs no input")
+    try:
+        text = json.dumps(payload, cls=DjangoJSONEncoder, sort_keys=True, allow_nan=False)
+    except RecursionError:
+        raise PayloadInvalid("The payload is nested too deeply to be stored as JSON") from None
+    except (TypeError, ValueError) as exc:
+        raise PayloadInvalid(f"The payload is not JSON-serialisable: {exc}") from None
+    # PostgreSQL cannot store U+0000 or a lone surrogate in JSON; SQLite can. Refuse them
+    # everywhere, so a payload accepted in development does not fail in production.
+    if identity.has_nul(text):
+        raise PayloadInvalid("The payload contains a NUL character (U+0000), which cannot be stored")
+    if identity.has_lone_surrogate(text, payload):
+        raise PayloadInvalid("The payload contains a lone UTF-16 surrogate, which is not Unicode")
+    limit = durable_settings.MAX_PAYLOAD_BYTES
+    if len(text.encode()) > limit:
+        raise PayloadInvalid(
+            f"The payload is {len(text.encode())} bytes of JSON, over the limit of {limit}"
+            " (DURABLE['MAX_PAYLOAD_BYTES'])"
+        )
+    return text if as_json else json.loads(text)
+
+
+def submit(workflow, key, payload, *, run_after=None, queue="default", submitted_by=""):
+    """Create the job ``key`` of ``workflow``, or return the existing identical one.
+
+    Idempotent: the same key with the same workflow and payload returns the existing
+    job; with another workflow or payload it raises IdempotencyConflict and writes
+    nothing. Joins the caller's transaction: the job exists if and only if it commits.
+    """
+    definition = registry.get(workflow)
+    if not isinstance(key, str) or not key or len(key) > 255:
+        raise PayloadInvalid("The key must be a non-empty string of at most 255 characters")
+    if "\x00" in key or not identity.is_unicode(key):
+        raise PayloadInvalid("The key contains a NUL character or a lone surrogate")
+    if not isinstance(queue, str) or not queue or len(queue) > Job._meta.get_field("queue").max_length:
+        raise PayloadInvalid("The queue must be a non-empty string of at most 100 characters")
+    payload_json = normalise_payload(payload, as_json=True)
+    state, by = definition.table.initial, str(submitted_by or "")
+    # One statement of its own; inside a caller's transaction, a savepoint, so that a
+    # refused insert leaves that transaction usable.
+    with transaction.atomic() if connection.in_atomic_block else contextlib.nullcontext():
+        stamps = locking.insert_job(
+            key=key, workflow=definition.name, version=definition.version, queue=queue, state=state,
+            payload_json=payload_json, run_after=run_after, submitted_by=by,
+            message=f"{definition.name} v{definition.version}",
+        )
+    payload = json.loads(payload_json)
+    if stamps is None:
+        existing = Job.objects.filter(pk=key).first()
+        if existing is None:
+            # Deleted (purged) between the insert and this read: a rare race, said plainly.
+            raise IdempotencyConflict(f"Job {key!r} was being replaced while it was submitted; submit again")
+        if existing.workflow != definition.name or not identity.same_json(existing.payload, payload):
+            raise IdempotencyConflict(
+                f"Job {key!r} already exists for workflow {existing.workflow!r} with a different"
+                f" {'workflow' if existing.workflow != definition.name else 'payload'}"
+            ) from None
+        return existing
+    created, updated, next_run_at = stamps
+    job = Job(id=key, workflow=definition.name, workflow_version=definition.version, queue=queue,
+              state=state, payload=payload, submitted_by=by, created=created, updated=updated,
+              next_run_at=next_run_at)
+    job._state.adding, job._state.db = False, connection.alias
+    return job

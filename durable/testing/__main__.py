@@ -1,0 +1,7 @@
+"""``python -m durable.testing``: the receiver, in a process of its own."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Operator verbs, one implementation for code, the console and the CLI."""
