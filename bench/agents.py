@@ -45,7 +45,7 @@ def child(turns, tools, repeat):
 
     import durable
     from durable.agents import run as agent_run
-    from durable.agents.workflow import AgentWorkflow, tool
+    from durable.agents import AgentWorkflow, tool
     from durable.engine.runner import Runner
     from durable.models import Job, StepResult
     from durable.testing import ScriptedModel, reply, tool_call

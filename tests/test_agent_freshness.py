@@ -15,7 +15,7 @@ from django.urls import reverse
 
 import durable
 from durable.actions import approvals
-from durable.agents.workflow import AgentWorkflow, tool
+from durable.agents import AgentWorkflow, tool
 from durable.models import Approval, ApprovalStatus, EventKind, JobEvent, Outbox, StepResult
 from durable.testing import FakeModelServer, reply, tool_call
 from tests.testapp.agent_workflows import read_order, write_orders

@@ -5,7 +5,7 @@ from django.urls import reverse
 
 import durable
 from durable.actions import approvals
-from durable.agents.workflow import AgentWorkflow, tool
+from durable.agents import AgentWorkflow, tool
 from durable.models import Approval, JobEvent, Outbox, StepResult
 from durable.testing import ScriptedModel, reply, tool_call
 from durable.views.agents import replay_inputs, turn_support

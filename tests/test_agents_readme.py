@@ -3,7 +3,7 @@
 import pytest
 
 import durable
-from durable.agents.llm import OpenAIChat
+from durable.llm import OpenAIChat
 from durable.core.workflows import registry
 from durable.models import Approval, Job, StepResult
 from durable.testing import FakeModelServer, reply, tool_call

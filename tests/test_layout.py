@@ -124,8 +124,8 @@ SPELLINGS = {
     "duration as text": ("durable.core.formats", "django.utils.timesince: use formats.age/duration"),
     "the states of a step": ("durable.core.states", "next(s for s in table.steps if s.step == name): use "
                              "table.states_for(name)"),
-    "is this an agent": ("durable.core.workflows", "getattr(x, 'runs_itself'/'step_key', ...): ask the "
-                         "workflow (workflow.runs_itself) or the action's kind (actions.kinds.of)"),
+    "is this an agent": ("durable.core.workflows", "getattr(x, 'runs_itself', ...): every workflow says "
+                         "(workflow.runs_itself); an action's kind answers for it (actions.kinds.of)"),
 }
 # Where a database vendor may be named: the store, which has a class per database.
 VENDOR_ALLOWED = "durable.store"
@@ -411,7 +411,7 @@ def _spelled(node):
                 return "kind of a state"
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr") \
             and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) \
-            and node.args[1].value in ("runs_itself", "step_key"):
+            and node.args[1].value == "runs_itself":
         return "is this an agent"
     if isinstance(node, ast.ImportFrom) and node.module == "django.utils.timesince":
         return "duration as text"

@@ -5,7 +5,7 @@ from typing import Literal
 
 import pytest
 
-from durable.agents.toolschema import ToolSchemaError, schema_for, validate_arguments
+from durable.toolschema import ToolSchemaError, schema_for, validate_arguments
 
 
 class Reason(enum.Enum):

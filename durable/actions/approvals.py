@@ -18,57 +18,24 @@ from django.db import transaction
 from django.db.models import F
 from django.db.models.functions import Now
 
-from ..agents.workflow import ACTION_STATES, AWAITING_APPROVAL, PENDING
 from ..conf import durable_settings
 
 # canonical_json and proposal_hash are re-exported here: the README documents them as
 # durable.approvals.canonical_json and durable.approvals.proposal_hash. version_text
 # and context_for are re-exported for the approval pages.
 from ..core.identity import canonical_json, proposal_hash, version_text  # noqa: F401 - re-exported (see the comment above)
-from ..exceptions import DecisionForbidden, DecisionRefused, DurableError, OperatorError
-from ..models import Approval, ApprovalStatus, EventKind, JobEvent, Outbox, OutboxStatus
+from ..exceptions import DecisionForbidden, DecisionRefused, DurableError
+from ..models import Approval, ApprovalStatus, EventKind, Outbox, OutboxStatus
 from ..store import audit, locking
-from . import reprepare
+from . import kinds, reprepare
+from .proposals import CHANGED, MODEL_MESSAGE, PERMISSION, can_decide, close, is_person  # noqa: F401 - the API
 from .reprepare import context_for  # noqa: F401 - re-exported (see the comment above)
 
 logger = logging.getLogger("durable.approvals")
 
-PERMISSION = "durable.approve_proposal"
-CHANGED = "This proposal changed since you opened it; review the current one."
-# What an agent's model is told of a rejected tool call, unless the decider writes
-# otherwise: nothing of the decider's internal note.
-MODEL_MESSAGE = ("A reviewer declined this action, so it was not carried out. Do not try it"
-                 " again; tell the user it could not be done this way.")
-
-
-# Closing a proposal ------------------------------------------------------------------
-
-
-def close(approval, status, note):
-    """Mark an open or approved proposal superseded or expired (inside a transaction)."""
-    Approval.objects.filter(pk=approval.pk).update(
-        status=status, note=(approval.note + "\n" if approval.note else "") + note
-    )
-    approval.status = status
-    JobEvent.objects.create(
-        job_id=approval.job_id, kind=EventKind.APPROVAL, step=approval.step, actor="durable",
-        message=f"approval {approval.pk} {status}: {note}",
-        data={"approval": approval.pk, "hash": approval.proposal_hash},
-    )
 
 
 # Decisions -------------------------------------------------------------------------------
-
-
-def _is_person(user):
-    return user is not None and not isinstance(user, str) and getattr(user, "pk", None)
-
-
-def can_decide(user):
-    """Whether ``user`` may approve or reject proposals (code and the CLI pass a name)."""
-    if user is None or isinstance(user, str):
-        return True
-    return user.is_active and user.has_perm(PERMISSION)
 
 
 def _describe(approval):
@@ -95,17 +62,7 @@ def _locked(approval_id):
 
 
 def _states(approval):
-    if _is_agent_job(approval.job):
-        return ACTION_STATES
-    table = approval.job.table
-    for states in table.steps:
-        if states.step == approval.step:
-            return states
-    raise OperatorError(f"Workflow {approval.job.workflow} has no step {approval.step!r}")
-
-
-def _is_agent_job(job):
-    return getattr(job.definition, "runs_itself", False)
+    return kinds.of(approval.job.definition).states_of_approval(approval)
 
 
 def awaiting_state(approval):
@@ -156,72 +113,19 @@ def lock_decision(approval_id, seen_hash, user, verb):
     return approval, states, now
 
 
-def _decide_agent(approval, job, user, now, status, note, verb, model_message=""):
-    """Record one decision of an agent's turn; when its last proposal is decided, the run resumes."""
-    Approval.objects.filter(pk=approval.pk).update(
-        status=status, decided_by=user if _is_person(user) else None, decided_at=now, note=note,
-        model_message=model_message)
-    message = f"{verb}: {approval.summary}" + (f" — {note}" if note else "")
-    data = {"approval": approval.pk, "hash": approval.proposal_hash, "verb": verb}
-    resume_when_decided(job, approval, user, message, data)
-    audit.admin_log(user, approval, f"{verb} {approval.proposal_hash[:12]}. {note}".strip())
-
-
-def resume_when_decided(job, approval, user, message, data):
-    """Write the decision's event; when it was the turn's last open proposal, the run resumes."""
-    left = Approval.objects.filter(job_id=job.pk, status=ApprovalStatus.REQUESTED).exclude(
-        pk=approval.pk).count()
-    data = {**data, "open": left}
-    if left:
-        JobEvent.objects.create(job_id=job.pk, kind=EventKind.APPROVAL, step=approval.step,
-                                actor=audit.actor(user), from_state=job.state, to_state=job.state,
-                                message=f"{message}; {left} more to decide", data=data)
-    else:
-        ok = locking.transition(
-            job, PENDING, expect=AWAITING_APPROVAL, actor=audit.actor(user), step=approval.step,
-            kind=EventKind.APPROVAL, message=f"{message}; every proposal decided, resuming",
-            data=data, fields={"next_run_at": Now(), "attempts": 0, "lease_until": None,
-                               "lease_owner": None, "last_error": ""},
-        )
-        if not ok:
-            raise OperatorError(f"Job {job.pk} moved while you were deciding; reload.")
-        locking.notify(locking.JOBS_CHANNEL, job.workflow)
-
-
 def approve(approval_id, seen_hash, user, note=""):
-    """Approve exactly the proposal with ``seen_hash``: its action becomes due for dispatch."""
+    """Approve exactly the proposal with ``seen_hash``: its action becomes due for dispatch.
+
+    What approving does is the action's kind's (``durable.actions.kinds``): a step's
+    action is woken for the dispatcher; an agent's turn resumes once all its proposals
+    are decided.
+    """
     note = (note or "").strip()
     with transaction.atomic():
         checked = lock_decision(approval_id, seen_hash, user, "approve")
         if not isinstance(checked, Expired):
             approval, states, now = checked
-            job = approval.job
-        if not isinstance(checked, Expired) and _is_agent_job(job):
-            _decide_agent(approval, job, user, now, ApprovalStatus.APPROVED, note, "approve")
-        elif not isinstance(checked, Expired):
-            row_count = Outbox.objects.filter(
-                job_id=job.pk, kind=approval.step, status=OutboxStatus.PENDING
-            ).wake(last_error="")
-            if not row_count:
-                raise DecisionRefused(
-                    f"Job {job.pk} has no pending action for {approval.step}; reload."
-                )
-            Approval.objects.filter(pk=approval.pk).update(
-                status=ApprovalStatus.APPROVED, decided_by=user if _is_person(user) else None,
-                decided_at=now, note=note,
-            )
-            ok = locking.transition(
-                job, states.in_flight, expect=states.approval, actor=audit.actor(user),
-                step=approval.step, kind=EventKind.APPROVAL,
-                message=f"approved: {note}".strip(": "),
-                data={"approval": approval.pk, "hash": approval.proposal_hash, "verb": "approve"},
-                fields={"next_run_at": None, "lease_until": None, "lease_owner": None},
-            )
-            if not ok:
-                raise DecisionRefused(f"Job {job.pk} moved while you were deciding; reload.")
-            audit.admin_log(user, approval, f"Approved {approval.proposal_hash[:12]}. {note}".strip())
-            # Wake the dispatcher as soon as this commits, rather than at its next poll.
-            locking.notify(locking.OUTBOX_CHANNEL, job.pk)
+            kinds.of(approval.job.definition).approve(approval, approval.job, states, user, now, note)
     if isinstance(checked, Expired):
         raise DecisionRefused(str(checked))
     approval.refresh_from_db()
@@ -242,31 +146,7 @@ def reject(approval_id, seen_hash, user, reason, model_message=None):
         checked = lock_decision(approval_id, seen_hash, user, "reject")
         if not isinstance(checked, Expired):
             approval, states, now = checked
-            job = approval.job
-        if not isinstance(checked, Expired) and _is_agent_job(job):
-            _decide_agent(approval, job, user, now, ApprovalStatus.REJECTED, reason, "reject",
-                          model_message=told)
-        elif not isinstance(checked, Expired):
-            target = job.definition.steps_by_name[approval.step].on_reject
-            Approval.objects.filter(pk=approval.pk).update(
-                status=ApprovalStatus.REJECTED, decided_by=user if _is_person(user) else None,
-                decided_at=now, note=reason,
-            )
-            Outbox.objects.filter(
-                job_id=job.pk, kind=approval.step, status=OutboxStatus.PENDING
-            ).update(status=OutboxStatus.CANCELLED, next_attempt_at=None,
-                     last_error=f"rejected: {reason}", version=F("version") + 1,
-                     updated=Now())
-            ok = locking.transition(
-                job, target, expect=states.approval, actor=audit.actor(user), step=approval.step,
-                kind=EventKind.APPROVAL, message=f"rejected: {reason}",
-                data={"approval": approval.pk, "hash": approval.proposal_hash, "verb": "reject"},
-                fields={"next_run_at": None, "lease_until": None, "lease_owner": None,
-                        "last_error": f"proposal rejected: {reason}"},
-            )
-            if not ok:
-                raise DecisionRefused(f"Job {job.pk} moved while you were deciding; reload.")
-            audit.admin_log(user, approval, f"Rejected {approval.proposal_hash[:12]}: {reason}")
+            kinds.of(approval.job.definition).reject(approval, approval.job, states, user, now, reason, told)
     if isinstance(checked, Expired):
         raise DecisionRefused(str(checked))
     approval.refresh_from_db()

@@ -30,11 +30,9 @@ from django.db.models import F
 from django.db.models.functions import Now
 
 from .. import faults
-from ..agents import outbox as agent_outbox
 from ..conf import durable_settings
 from ..core.identity import (
     action_identity,
-    hash_of_row,
     make_proposal,
     proposal_hash,
     storable_json,
@@ -42,7 +40,7 @@ from ..core.identity import (
     wire_values,
 )
 from ..core.retry import scrub
-from ..core.workflows import Action, registry
+from ..core.workflows import Action
 from ..models import (
     IN_DOUBT,
     UNSETTLED,
@@ -53,11 +51,11 @@ from ..models import (
     JobEvent,
     Outbox,
     OutboxStatus,
-    StepResult,
 )
 from ..store import action_rows, locking
-from . import destinations, reprepare
-from .approvals import close, context_for
+from . import destinations, kinds
+from .kinds import requires_approval
+from .proposals import close
 
 logger = logging.getLogger("durable.approvals")
 # The approval predicate's failures are logged where they always were.
@@ -121,23 +119,6 @@ def validate(action):
             raise ValueError(f"Action.{name} must be a non-empty string of at most 100 characters")
     destinations.get(action.destination)  # UnknownDestination (poison) before anything is written
     return wire_values(action.values)
-
-
-def requires_approval(st, action, ctx):
-    """Whether this action of step ``st`` needs a person's approval before it is sent.
-
-    A predicate that raises cannot waive approval: the action then needs it.
-    """
-    if not st.approval:
-        return False
-    if st.approval is True or not callable(st.approval):
-        return True
-    try:
-        return bool(st.approval(action, ctx))
-    except Exception:  # noqa: BLE001 - a predicate that fails cannot waive approval
-        dispatch_logger.exception("approval predicate of step %s failed; approval required",
-                                  st.name)
-        return True
 
 
 # The one writer of a new outbox row ------------------------------------------------------
@@ -361,96 +342,17 @@ def _propose(started, draft, row, actor):
 
 
 def check_before_dispatch(outbox_row, job):
-    """Whether ``outbox_row`` may be sent now; if not, send it back for a new proposal.
+    """Whether ``outbox_row`` may be sent now; if not, nothing is sent and the job goes back.
 
-    Called by the dispatcher inside the transaction that marks the row attempted.
-    Checks, for an action that needs approval: an approval exists and is approved,
-    it has not expired (database clock), its hash equals the hash of what the row is
-    about to send, and the workflow's input version recomputed now equals the approved
-    one. On any failure nothing is sent: the approval is superseded (or expired), the
-    row is parked, and the job goes back along its retry edge so the step prepares a
-    new proposal from current inputs. Returns True only when sending may go ahead.
+    Called by the dispatcher inside the transaction that marks the row attempted. What
+    is checked is the row's kind's (``durable.actions.kinds``): for an action that needs
+    approval, that exactly the approved action is sent, from inputs still current.
     """
     if outbox_row.status != OutboxStatus.PENDING:
         # A resend of an attempted or unknown row is reconciliation of the write that
         # was approved and checked when it first left, not a new write.
         return True
-    workflow = registry.get(job.workflow)
-    if getattr(workflow, "runs_itself", False):
-        return agent_outbox.check_before_dispatch(outbox_row, job)
-    st = workflow.steps_by_name.get(outbox_row.kind)
-    if st is None or not st.approval:
-        return True
-    states = workflow.table.states_for(st.name)
-    now = locking.db_now()
-    ctx = context_for(job, st, now)
-    action = Action(outbox_row.destination, outbox_row.operation, outbox_row.payload)
-    required = requires_approval(st, action, ctx)
-    approval = (
-        Approval.objects.select_for_update().filter(job_id=job.pk, step=st.name).order_by("-id")
-        .first()
-    )
-    if approval is None or approval.status != ApprovalStatus.APPROVED:
-        if not required:
-            return True
-        if approval is not None and approval.status == ApprovalStatus.REQUESTED:
-            _park(outbox_row, "waiting for approval")
-            return False
-        why = "no approval for this action" if approval is None else f"the approval is {approval.status}"
-        return _send_back(outbox_row, job, states, None, None, why)
-    if approval.expires_at <= now:
-        return _send_back(outbox_row, job, states, approval, ApprovalStatus.EXPIRED,
-                          f"the approval expired at {approval.expires_at.isoformat()}"
-                          " before the action was sent")
-    if hash_of_row(outbox_row, approval.input_version) != approval.proposal_hash:
-        if not required:
-            close(approval, ApprovalStatus.SUPERSEDED, "the action no longer needs approval")
-            return True
-        return _send_back(outbox_row, job, states, approval, ApprovalStatus.SUPERSEDED,
-                          "what is about to be sent differs from what was approved")
-    try:
-        current = version_text(workflow.input_version(job, ctx))
-    except Exception as exc:  # noqa: BLE001 - an unverifiable input is not a current one
-        current = None
-        why = f"the inputs could not be read again to check them ({type(exc).__name__}: {exc})"
-    else:
-        # In words: the fingerprints themselves are on the proposal's page.
-        why = "the inputs changed since approval"
-    if current != approval.input_version:
-        return _send_back(outbox_row, job, states, approval, ApprovalStatus.SUPERSEDED, why)
-    return True
-
-
-def _park(row, why):
-    Outbox.objects.filter(pk=row.pk).park(why)
-    row.next_attempt_at = None
-    row.last_error = why
-
-
-def _send_back(row, job, states, approval, status, why):
-    """Send nothing; close the approval; re-run the step so it proposes from current inputs."""
-    if approval is not None:
-        close(approval, status, why)
-    _park(row, f"not sent: {why}")
-    moved = False
-    if job.state == states.in_flight:
-        target, rerun, stale = reprepare.plan(job, states.step, approval, states.before)
-        again = f" (the steps it was prepared from run again: {', '.join(rerun)})" if rerun else ""
-        moved = locking.transition(
-            job, target, expect=states.in_flight, actor="durable", step=states.step,
-            kind=EventKind.APPROVAL,
-            message=f"not sent: {why}; preparing a new proposal for review{again}",
-            data={"approval": approval.pk if approval else None, "outbox": row.pk,
-                  "set_aside": stale},
-            fields={"next_run_at": Now(), "attempts": 0, "lease_until": None,
-                    "lease_owner": None, "last_error": f"not sent: {why}"},
-        )
-        if moved:
-            reprepare.carry_out(job, rerun)
-    if moved:
-        locking.notify(locking.JOBS_CHANNEL, job.workflow)
-    logger.warning("job=%s step=%s not sent: %s", job.pk, states.step, why)
-    return False
+    return kinds.of(job.definition).check_before_dispatch(outbox_row, job)
 
 
 # Settling the job (the dispatcher and durable.reconcile) ---------------------------------
@@ -470,51 +372,16 @@ class ActionContext:
 
 
 def step_of_row(row, workflow):
-    """The step (and its states) an outbox row belongs to: an action step, or an agent's tool call."""
-    if getattr(workflow, "runs_itself", False):
-        return agent_outbox.step_of_row(row, workflow)
-    st = workflow.steps_by_name[row.kind]
-    return st, workflow.table.states_for(st.name)
-
-
-def _cost_text(cost):
-    """A cost as the step's event records it: its digits, without the column's padding."""
-    text = format(cost, "f")
-    return text.rstrip("0").rstrip(".") if "." in text else text
+    """The step (and its states) an outbox row belongs to, as its kind says."""
+    return kinds.of(workflow).step_of_row(row, workflow)
 
 
 def complete(ctx, memo, *, actor, message, kind=EventKind.STEP_DONE, data=None):
-    """Write the action step's memo and move the job to the step's done state.
+    """Settle the row's action as succeeded, as its kind says (inside the caller's transaction).
 
-    Inside the caller's transaction; the job row is locked and in flight or unknown.
-    The memo's cost, duration and attempt are the producing step's, kept on the row.
     Returns the terminal state when the job finished, else None.
     """
-    if getattr(ctx.step, "step_key", None):
-        return agent_outbox.settle(ctx, memo, actor=actor, message=message, kind=kind, data=data)
-    job, row, states, table = ctx.job, ctx.row, ctx.states, ctx.table
-    terminal = table.is_terminal(states.done)
-    fields = {"attempts": 0, "lease_until": None, "lease_owner": None, "wake_at": None,
-              "next_run_at": None if terminal else Now(), "last_error": ""}
-    if terminal:
-        fields["result"] = memo
-    # The claimed row or the Outbox instance carries them (written with the row).
-    cost, duration, attempt = row.step_cost, row.step_duration, row.step_attempt
-    ok = locking.transition(
-        job, states.done, expect=job.state, actor=actor, step=row.kind, table=table, kind=kind,
-        message=scrub(message), fields=fields,
-        data={"action": row.id, "remote_id": memo["remote_id"], "cost": _cost_text(cost),
-              **(data or {})},
-    )
-    if not ok:
-        return None
-    # One memo per step (durable_one_memo_per_step): a memo written earlier stands.
-    StepResult.objects.bulk_create([StepResult(
-        job_id=row.job_id, step=row.kind, output=memo, cost=cost, duration=duration,
-        attempt=attempt, workflow=job.workflow)], ignore_conflicts=True)
-    if not terminal:
-        locking.notify(locking.JOBS_CHANNEL, job.workflow)
-    return states.done if terminal else None
+    return kinds.of(ctx.workflow).settle(ctx, memo, actor=actor, message=message, kind=kind, data=data)
 
 
 @dataclass(frozen=True)
@@ -531,13 +398,14 @@ def confirm(ctx, remote_id, summary, data, how, *, actor, message):
 
     What ``complete`` does, with the row's success, for an action step whose job waits
     for it (in flight or unknown), outside any transaction: the dispatcher's hot path.
-    Neither done nor lost (nothing written) for an agent's tool call, a job in another
+    Neither done nor lost (nothing written) for a kind that settles otherwise (an agent's
+    tool call), a job in another
     state, or a memo that cannot be stored as it is: the caller then records the row
     and the job apart.
     """
     row, states = ctx.row, ctx.states
-    if getattr(ctx.step, "step_key", None):
-        return Confirmation()  # an agent's tool call: its run resumes (agent_outbox.settle)
+    if not kinds.of(ctx.workflow).confirms_in_one_write:
+        return Confirmation()  # e.g. an agent's tool call: its run resumes when settled
     row.remote_id, row.response_summary = remote_id, summary
     try:
         memo_json = storable_json(Outbox.confirmed_memo(row, how, data))
@@ -549,7 +417,7 @@ def confirm(ctx, remote_id, summary, data, how, *, actor, message):
         remote_id=remote_id, summary=summary, memo_json=memo_json, done=states.done,
         terminal=terminal, actor=actor, message=scrub(message),
         data_json=json.dumps({"action": row.id, "remote_id": remote_id,
-                              "cost": _cost_text(row.step_cost)}),
+                              "cost": kinds.cost_text(row.step_cost)}),
     ))
     if moved:
         return Confirmation(done=True, finished=states.done if terminal else None)
@@ -557,17 +425,8 @@ def confirm(ctx, remote_id, summary, data, how, *, actor, message):
 
 
 def fail(ctx, error, *, actor, kind=EventKind.FAILED, data=None):
-    """Move the job to the action step's failed state (inside the caller's transaction)."""
-    if getattr(ctx.step, "step_key", None):
-        return agent_outbox.settle_failed(ctx, error, actor=actor, kind=kind, data=data)
-    job, row = ctx.job, ctx.row
-    error = scrub(error)
-    return locking.transition(
-        job, ctx.states.failure, expect=job.state, actor=actor, step=row.kind, table=ctx.table,
-        kind=kind, message=error, data={"action": row.id, **(data or {})},
-        fields={"next_run_at": None, "lease_until": None, "lease_owner": None,
-                "last_error": error},
-    )
+    """Settle the row's action as failed, as its kind says (inside the caller's transaction)."""
+    return kinds.of(ctx.workflow).settle_failed(ctx, error, actor=actor, kind=kind, data=data)
 
 
 __all__ = [

@@ -10,19 +10,9 @@ What users write is here (``from durable.agents import AgentWorkflow, tool``); t
 - ``llm`` and ``toolschema``: the model adapters, and a tool's schema from its signature.
 """
 
-from .workflow import (
-    AgentWorkflow,
-    Divergence,
-    DuplicateKey,
-    Model,
-    ModelReply,
-    ModelReplyInvalid,
-    Tool,
-    ToolCall,
-    ToolError,
-    agent_table,
-    tool,
-)
+from .base import Divergence, DuplicateKey, Model, Tool, ToolError, agent_table, tool
+from .llm import ModelReply, ModelReplyInvalid, ToolCall
+from .workflow import AgentWorkflow
 
 __all__ = [
     "AgentWorkflow", "Divergence", "DuplicateKey", "Model", "ModelReply", "ModelReplyInvalid",

@@ -1,9 +1,11 @@
-"""The outbox's side of an agent's action tools: the row's tool call, its settling, its check.
+"""The tool-call kind of action: an agent's action tool call as the outbox and approvals see it.
 
-An agent's action tool call is an outbox row like an action step's (``durable.outbox``);
-what differs is where its outcome goes. The dispatcher and the operator verbs reach
-these through ``durable.outbox`` (``step_of_row``, ``complete``, ``fail``,
-``check_before_dispatch``); the run's side (proposing, acting) is ``durable.agent_actions``.
+An agent's action tool call is an outbox row like an action step's
+(``durable.actions.outbox``); what differs is where its outcome goes. ``TOOL_CALL`` is
+its kind (``durable.actions.kinds``): the dispatcher, the reconciliation verbs, the
+approvals and the console ask it which tool call a row is, what is checked before it
+is sent, how it settles and how a decision lands. The run's side (proposing, acting)
+is ``durable.agents.tools``.
 
 What an approved call was prepared from (``Tool.prepared_from``) is read when it is
 proposed (``read_sources``) and read again right before it is sent (``changed_sources``).
@@ -17,13 +19,15 @@ from dataclasses import dataclass
 from django.db.models import Max
 from django.db.models.functions import Now
 
-from ..actions.approvals import close
+from ..actions.kinds import ActionKind
+from ..actions.proposals import close, is_person
 from ..core.identity import hash_of_row, output_hash, storable_json
 from ..core.retry import scrub
 from ..core.workflows import Retry
-from ..models import Approval, ApprovalStatus, EventKind, MemoKind, Outbox, OutboxStatus, StepResult
-from ..store import locking
-from .workflow import ACTION_STATES, IN_FLIGHT, PENDING, ToolError
+from ..exceptions import OperatorError
+from ..models import Approval, ApprovalStatus, EventKind, JobEvent, MemoKind, Outbox, OutboxStatus, StepResult
+from ..store import audit, locking
+from .base import ACTION_STATES, AWAITING_APPROVAL, IN_FLIGHT, PENDING, ToolError
 
 # A value read back is kept for the words "what changed" up to this size (its hash always).
 _KEEP_VALUE = 20_000
@@ -321,3 +325,72 @@ def check_before_dispatch(row, job):
                                    "lease_owner": None, "last_error": f"not sent: {why}"})
         locking.notify(locking.JOBS_CHANNEL, job.workflow)
     return False
+
+
+# Decisions on an agent's proposals ---------------------------------------------------------
+
+
+def resume_when_decided(job, approval, user, message, data):
+    """Write the decision's event; when it was the turn's last open proposal, the run resumes."""
+    left = Approval.objects.filter(job_id=job.pk, status=ApprovalStatus.REQUESTED).exclude(
+        pk=approval.pk).count()
+    data = {**data, "open": left}
+    if left:
+        JobEvent.objects.create(job_id=job.pk, kind=EventKind.APPROVAL, step=approval.step,
+                                actor=audit.actor(user), from_state=job.state, to_state=job.state,
+                                message=f"{message}; {left} more to decide", data=data)
+    else:
+        ok = locking.transition(
+            job, PENDING, expect=AWAITING_APPROVAL, actor=audit.actor(user), step=approval.step,
+            kind=EventKind.APPROVAL, message=f"{message}; every proposal decided, resuming",
+            data=data, fields={"next_run_at": Now(), "attempts": 0, "lease_until": None,
+                               "lease_owner": None, "last_error": ""},
+        )
+        if not ok:
+            raise OperatorError(f"Job {job.pk} moved while you were deciding; reload.")
+        locking.notify(locking.JOBS_CHANNEL, job.workflow)
+
+
+def _decide(approval, job, user, now, status, note, verb, model_message=""):
+    """Record one decision of an agent's turn; when its last proposal is decided, the run resumes."""
+    Approval.objects.filter(pk=approval.pk).update(
+        status=status, decided_by=user if is_person(user) else None, decided_at=now, note=note,
+        model_message=model_message)
+    message = f"{verb}: {approval.summary}" + (f" — {note}" if note else "")
+    data = {"approval": approval.pk, "hash": approval.proposal_hash, "verb": verb}
+    resume_when_decided(job, approval, user, message, data)
+    audit.admin_log(user, approval, f"{verb} {approval.proposal_hash[:12]}. {note}".strip())
+
+
+class ToolCallAction(ActionKind):
+    """An agent's action tool call: its row's ``step_key`` is the call's key (``t3/tool/…``).
+
+    It settles by resuming the run (the outcome becomes the call's memo), so the
+    dispatcher does not confirm it in one write with the step.
+    """
+
+    confirms_in_one_write = False
+
+    def step_of_row(self, row, workflow):
+        return step_of_row(row, workflow)
+
+    def states_of_approval(self, approval):
+        return ACTION_STATES
+
+    def check_before_dispatch(self, row, job):
+        return check_before_dispatch(row, job)
+
+    def settle(self, ctx, memo, *, actor, message, kind=EventKind.STEP_DONE, data=None):
+        return settle(ctx, memo, actor=actor, message=message, kind=kind, data=data)
+
+    def settle_failed(self, ctx, error, *, actor, kind=EventKind.FAILED, data=None):
+        return settle_failed(ctx, error, actor=actor, kind=kind, data=data)
+
+    def approve(self, approval, job, states, user, now, note):
+        _decide(approval, job, user, now, ApprovalStatus.APPROVED, note, "approve")
+
+    def reject(self, approval, job, states, user, now, reason, model_message):
+        _decide(approval, job, user, now, ApprovalStatus.REJECTED, reason, "reject", model_message=model_message)
+
+
+TOOL_CALL = ToolCallAction()

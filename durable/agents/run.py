@@ -19,14 +19,15 @@ from decimal import Decimal
 from .. import faults
 from ..core.formats import money
 from ..core.identity import storable_json
+from ..core.outcomes import AskHuman, Done, Failed, Left, Lost, Parked
 from ..core.retry import scrub
 from ..core.workflows import NeedsHuman, Output, WaitingOn
 from ..exceptions import LeaseLost
 from ..models import EventKind, Job, JobEvent, MemoKind, StepResult
 from ..store import locking
 from . import tools as agent_actions
+from .base import RUNNING, Divergence, DuplicateKey, Suspended, ToolError, parsed
 from .llm import ModelReply, ModelReplyInvalid
-from .workflow import RUNNING, Divergence, DuplicateKey, Suspended, ToolError, parsed
 
 logger = logging.getLogger("durable.agents")
 
@@ -59,9 +60,9 @@ def _money(value):
 class AgentRun:
     """The state of one execution of ``run()`` under one lease."""
 
-    def __init__(self, workflow, runner, started):
+    def __init__(self, workflow, seat, started):
         self.workflow = workflow
-        self.runner = runner
+        self.seat = seat
         self.started = started
         self.claimed = started.claimed
         self.memos = {}
@@ -104,7 +105,12 @@ class AgentRun:
     # Running -----------------------------------------------------------------------
 
     def go(self):
-        runner, started = self.runner, self.started
+        """Run ``run()`` from the top; return the outcome the engine's runner acts on.
+
+        Nothing here ends the step: the runner matches the outcome (``durable.core.outcomes``)
+        and makes the move, as it does for a step function's return.
+        """
+        seat = self.seat
         began = time.monotonic()
         self._watch()
         try:
@@ -115,41 +121,37 @@ class AgentRun:
                 result = result.value
             output_json = storable_json(result)
         except NeedsHuman as signal_:
-            return runner.needs_human(started, signal_.reason)
+            return AskHuman(signal_.reason)
         except Divergence as exc:
-            return runner.needs_human(started, f"divergence: {exc}")
+            return AskHuman(f"divergence: {exc}")
         except Suspended as signal_:
-            runner.finished(started, signal_.outcome)
-            return None
+            return Left(signal_.outcome)
         except WaitingOn as waiting:
-            return runner.suspend(started, waiting)
+            return Parked(waiting)
         except LeaseLost:
-            runner.lost(started)
-            return None
+            return Lost()
         except ModelReplyInvalid as exc:
             # Kept for the operator: last_error names what the model sent.
             raw = str(exc.raw or "")[:1500]
             kept = ModelReplyInvalid(f"{exc}; the reply was: {raw}" if raw else str(exc), raw=raw)
-            return runner.fail_step(started, kept, time.monotonic() - began)
+            return Failed(kept, time.monotonic() - began)
         except Exception as exc:  # noqa: BLE001 - the run's retry policy classifies it
-            return runner.fail_step(started, exc, time.monotonic() - began)
+            return Failed(exc, time.monotonic() - began)
         finally:
-            if runner.heartbeat is not None:
-                runner.heartbeat.unwatch()
+            if seat.heartbeat is not None:
+                seat.heartbeat.unwatch()
         self._report_changes()
-        started.memos = {}
         duration = datetime.timedelta(seconds=time.monotonic() - began)
-        return runner.complete(started, json.loads(output_json), Decimal(0), duration,
-                               write_memo=False, output_json=output_json)
+        return Done(output_json, duration)
 
     def _watch(self):
         """Watch the run: its lease is renewed while it runs, and each call has the step timeout."""
-        hb = self.runner.heartbeat
+        hb = self.seat.heartbeat
         if hb is not None:
-            hb.watch(self.started, self.started.step.effective_timeout, self.runner.on_timeout)
+            hb.watch(self.started, self.started.step.effective_timeout, self.seat.on_timeout)
 
     def _restart_timeout(self, renewed_at=None):
-        hb = self.runner.heartbeat
+        hb = self.seat.heartbeat
         if hb is not None:
             hb.restart_timeout(self.started, renewed_at)
 
@@ -174,7 +176,7 @@ class AgentRun:
 
     def _event(self, message, data):
         JobEvent.objects.create(job_id=self.claimed.id, kind=EventKind.STEP_DONE,
-                                step="run", actor=self.runner.owner, message=message,
+                                step="run", actor=self.seat.owner, message=message,
                                 from_state=RUNNING, to_state=RUNNING, data=data)
 
     # Keys and memos ----------------------------------------------------------------
@@ -237,7 +239,7 @@ class AgentRun:
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"the result of {key!r} is not storable: {exc}") from None
         self.seq += 1
-        lease = self.runner.lease_seconds
+        lease = self.seat.lease_seconds
         faults.point("agent_before_memo")
         renewed_at = time.monotonic()
         ok = locking.commit_memo(

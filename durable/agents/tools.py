@@ -5,7 +5,7 @@ an outbox row written with the move to ``action_in_flight`` in one fenced transa
 marked attempted before it is sent, sent with a stable idempotency key bound to its
 values, and settled as succeeded, failed or unknown (then reconciled). The outcome
 becomes the tool call's memo and the job goes back to ``pending``: the run resumes
-and the model reads the result (the outbox's side of that is ``durable.agent_outbox``).
+and the model reads the result (the outbox's side of that is ``durable.agents.outbox``).
 
 A tool that needs approval proposes first. Every proposal of one turn is written in
 one transaction and the job waits in ``awaiting_approval`` until each is decided. An
@@ -27,8 +27,8 @@ from django.db import transaction
 from django.db.models.functions import Now
 
 from ..actions import approvals
-from ..actions.approvals import close
 from ..actions.outbox import validate, write_row
+from ..actions.proposals import close
 from ..conf import durable_settings
 from ..core.identity import action_identity, canonical_json, make_proposal, proposal_hash
 from ..core.states import CANCELLED
@@ -36,18 +36,7 @@ from ..core.workflows import Action
 from ..exceptions import DecisionForbidden, DecisionRefused, LeaseLost, OperatorError
 from ..models import Approval, ApprovalStatus, EventKind, Job, JobEvent, MemoKind, Outbox, OutboxStatus, StepResult
 from ..store import audit, locking
-from .outbox import (
-    OutsideRun,
-    argument_changes,
-    arguments_of,
-    latest_approval,
-    read_sources,
-    sources_version,
-    stored,
-    tool_call_of,
-    turn_of,
-)
-from .workflow import (
+from .base import (
     AWAITING_APPROVAL,
     IN_FLIGHT,
     NEEDS_HUMAN,
@@ -55,8 +44,19 @@ from .workflow import (
     UNKNOWN,
     Suspended,
     ToolError,
-    is_agent,
     parsed,
+)
+from .outbox import (
+    OutsideRun,
+    argument_changes,
+    arguments_of,
+    latest_approval,
+    read_sources,
+    resume_when_decided,
+    sources_version,
+    stored,
+    tool_call_of,
+    turn_of,
 )
 
 logger = logging.getLogger("durable.agents")
@@ -190,7 +190,7 @@ def _park_for_approval(run, drafts, turn, now):
                 )
         names = ", ".join(p.summary for p in drafts)
         ok = locking.transition(
-            claimed, AWAITING_APPROVAL, token=claimed.lease_token, actor=run.runner.owner,
+            claimed, AWAITING_APPROVAL, token=claimed.lease_token, actor=run.seat.owner,
             step=drafts[0].key, table=run.workflow.table, kind=EventKind.APPROVAL,
             message=f"approval requested for {len(drafts)} tool calls of turn {turn}: {names}"[:4000],
             data={"turn": turn, "keys": [p.key for p in drafts],
@@ -281,7 +281,7 @@ def _send(run, planned, row, in_flight):
                   due=True, step_key=planned.key)
     path = [IN_FLIGHT] if state == IN_FLIGHT else [IN_FLIGHT, UNKNOWN]
     ok = locking.transition(
-        claimed, path, token=claimed.lease_token, actor=run.runner.owner, step=planned.key,
+        claimed, path, token=claimed.lease_token, actor=run.seat.owner, step=planned.key,
         table=run.workflow.table, kind=EventKind.ACTION, message=message[:4000],
         data={"phase": "enqueued", "key": planned.idempotency_key, "tool": planned.tool.name,
               "destination": planned.action.destination, "operation": planned.action.operation},
@@ -295,7 +295,7 @@ def _cancel(run, planned, approval):
     claimed = run.claimed
     with transaction.atomic():
         ok = locking.transition(
-            claimed, CANCELLED, token=claimed.lease_token, actor=run.runner.owner,
+            claimed, CANCELLED, token=claimed.lease_token, actor=run.seat.owner,
             step=planned.key, table=run.workflow.table, kind=EventKind.APPROVAL,
             message=f"{planned.tool.name} was rejected and cancels the job: {approval.note}",
             fields={"lease_until": None, "lease_owner": None, "next_run_at": None},
@@ -314,7 +314,7 @@ def editable_call(approval):
     """``(tool, arguments)`` of an agent's open tool call a person may edit, or None."""
     job = approval.job
     workflow = job.definition
-    if not is_agent(workflow) or approval.turn is None:
+    if not workflow.runs_itself or approval.turn is None:
         return None
     model = StepResult.objects.filter(job_id=job.pk, step=f"t{approval.turn}/model").values_list(
         "output", flat=True).first()
@@ -400,7 +400,7 @@ def _prepare_edit(approval, arguments, user, note, now):
         data={"approval": edited.pk, "edited_from": approval.pk, "changes": changes,
               "hash": edited.proposal_hash},
     )
-    approvals.resume_when_decided(job, edited, user, f"approve with edits: {edited.summary}",
+    resume_when_decided(job, edited, user, f"approve with edits: {edited.summary}",
                                   {"approval": edited.pk, "hash": edited.proposal_hash,
                                    "verb": "approve_edited"})
     audit.admin_log(user, edited, f"Approved with edits ({said}). {note}".strip())
@@ -439,7 +439,7 @@ def grant(job_id, *, turns=0, budget=None, user=None, reason=""):
         except Job.DoesNotExist:
             raise OperatorError(f"There is no job {job_id!r}") from None
         workflow = job.definition
-        if not is_agent(workflow):
+        if not workflow.runs_itself:
             raise OperatorError(f"Job {job.pk} is not an agent's: it has no turns or budget")
         if job.state != NEEDS_HUMAN:
             raise OperatorError(f"Job {job.pk} is {job.state}, not waiting for a human")

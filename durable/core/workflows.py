@@ -159,6 +159,13 @@ class Workflow:
     transitions: dict | None = None
     # Optional durable.Schedule (or a list of them): submit this workflow on its ticks.
     schedule = None
+    # Whether the workflow drives its own run (``drive(started, seat)`` returns an outcome
+    # the engine's runner matches) instead of the runner calling its steps one by one.
+    # An agent workflow does (``durable.agents.AgentWorkflow``).
+    runs_itself = False
+    # What its actions are (``durable.actions.kinds``): None, a step's action; an agent
+    # workflow names the tool-call kind. The outbox, approvals and console ask it.
+    action_kind = None
 
     steps: list[Step]
     table: states.TransitionTable

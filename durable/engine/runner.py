@@ -3,11 +3,11 @@
 A worker that finishes a step continues the same job under its lease instead of
 releasing and re-claiming it. Every write here is fenced by the lease token.
 
-An action step's action goes to ``durable.outbox``, which returns an outcome the
-runner acts on. The other drivers of a step (an agent's run, ``durable.agent_run``)
-end it through the public methods: ``complete``, ``fail_step``, ``needs_human``,
-``suspend``, ``lost`` and ``finished``. Each returns what the runner continues with
-(None: the job has left this worker).
+An action step's action goes to ``durable.actions.outbox``, which returns an outcome the
+runner acts on. A workflow that drives its own run (an agent's, ``workflow.runs_itself``)
+returns an outcome too (``durable.core.outcomes``), which ``_act_on`` matches; nothing
+calls the runner back. Each move returns what the runner continues with (None: the job
+has left this worker).
 """
 
 import copy
@@ -22,9 +22,9 @@ from django.db import DataError, transaction
 
 from .. import faults
 from ..actions import outbox
-from ..agents.run import AgentRun
 from ..conf import durable_settings
 from ..core.identity import storable_json
+from ..core.outcomes import AskHuman, Done, Failed, Left, Lost, Parked, Seat
 from ..core.retry import backoff, classify, describe, scrub
 from ..core.states import RESUMING_KINDS, WOKEN, StateKind
 from ..core.workflows import Action, NeedsHuman, Wait, WaitingOn, registry
@@ -188,9 +188,10 @@ class Runner:
         return dict(StepResult.objects.filter(job_id=job_id).values_list("step", "output"))
 
     def run_step(self, started):
-        if getattr(started.workflow, "runs_itself", False):
-            # An agent workflow: run() from the top, one memo per call (durable.agent_run).
-            return AgentRun(started.workflow, self, started).go()
+        if started.workflow.runs_itself:
+            # An agent workflow: run() from the top, one memo per call (durable.agents.run).
+            seat = Seat(self.owner, self.lease_seconds, self.heartbeat, self.on_timeout)
+            return self._act_on(started, started.workflow.drive(started, seat))
         claimed, step = started.claimed, started.step
         if started.memos is None:
             started.memos = self._load_memos(claimed.id)
@@ -245,6 +246,27 @@ class Runner:
             # Deterministic: the same code would produce the same output again.
             return self.fail_step(started, type(exc)(f"step output refused, it is not storable JSON: {exc}"), 0)
         return self.complete(started, output, cost, duration, output_json=output_json)
+
+    def _act_on(self, started, outcome):
+        """Make the move a driven run's outcome asks for; return what to continue with."""
+        match outcome:
+            case Done(output_json, duration):
+                started.memos = {}  # the run wrote its own memos, call by call
+                return self.complete(started, json.loads(output_json), Decimal(0), duration,
+                                     write_memo=False, output_json=output_json)
+            case AskHuman(reason):
+                return self.needs_human(started, reason)
+            case Parked(waiting):
+                return self.suspend(started, waiting)
+            case Left(how):
+                self.finished(started, how)
+                return None
+            case Lost():
+                self.lost(started)
+                return None
+            case Failed(error, seconds):
+                return self.fail_step(started, error, seconds)
+        raise TypeError(f"a run returned {outcome!r}, which is not an outcome (durable.core.outcomes)")
 
     def _input_for(self, started):
         index = started.workflow.steps.index(started.step)

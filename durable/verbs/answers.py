@@ -62,7 +62,7 @@ def question(job):
     None as well for an agent (it is granted more, not answered) and for a job that
     reached needs_human otherwise (a rejected proposal's ``on_reject``).
     """
-    if job.workflow not in registry or getattr(job.definition, "runs_itself", False):
+    if job.workflow not in registry or job.definition.runs_itself:
         return None
     table = job.table
     if table.kinds.get(job.state) != StateKind.HUMAN:
@@ -194,7 +194,7 @@ def _locked_question(job_id):
 
 def _nothing_to_answer(job):
     kind = registry.kind_of(job.workflow, job.state)
-    if kind == StateKind.HUMAN and getattr(job.definition, "runs_itself", False):
+    if kind == StateKind.HUMAN and job.definition.runs_itself:
         return (f"Job {job.pk} is an agent waiting for a person: give it more turns or budget"
                 f" (durable grant {job.pk} --turns N --budget X) or cancel it")
     if kind == StateKind.HUMAN:

@@ -227,7 +227,7 @@ def _available_verbs(job, definition, user, lease):
         found.append("retry")
     if kind == StateKind.HUMAN:
         found.append("send_back")
-        if getattr(definition, "runs_itself", False):
+        if definition is not None and definition.runs_itself:
             found.append("grant")
     # An action that may have happened is settled in Reconciliation (whose Cancel records
     # that decision), not cancelled from under it here.
@@ -285,7 +285,7 @@ def job_detail(request, model_admin, object_id):
         child["url"] = job_url(admin_site, child["pk"])
     open_children = len(services.unfinished_children(job.pk)) if child_count else 0
     agent = None
-    if getattr(definition, "runs_itself", False):
+    if definition is not None and definition.runs_itself:
         from .agents import turns_of
 
         agent = turns_of(job, show=lambda value: show_json(value, user, limit=2000))

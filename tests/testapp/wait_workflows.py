@@ -91,7 +91,7 @@ class SubsetParent(Workflow):
         return {k: v["outcome"] for k, v in ctx.join(first).items()}
 
 
-from durable.agents.workflow import AgentWorkflow  # noqa: E402
+from durable.agents import AgentWorkflow  # noqa: E402
 
 
 class WaitingAgent(AgentWorkflow):
