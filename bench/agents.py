@@ -44,8 +44,8 @@ def child(turns, tools, repeat):
     call_command("migrate", verbosity=0)
 
     import durable
-    from durable.agents import run as agent_run
     from durable.agents import AgentWorkflow, tool
+    from durable.agents import run as agent_run
     from durable.engine.runner import Runner
     from durable.models import Job, StepResult
     from durable.testing import ScriptedModel, reply, tool_call

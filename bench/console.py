@@ -13,7 +13,7 @@ demo's ``pipeline`` workflow (default 1,000,000), three memos and four events pe
 spread evenly over the last 24 hours, with the mix an operator meets during an incident
 (failures of three causes, jobs needing a person, proposals awaiting approval, stuck
 leases, actions with an unknown result). The costs and state moves are then rolled up
-once, as the workers do about once a minute all day (``durable.rollups``; its time is
+once, as the workers do about once a minute all day (``durable.store.rollups``; its time is
 printed, not counted in any page: pages never write). Every page of the console is then
 rendered through Django's test client as a logged-in superuser, three times; the figure
 is the median, with the number of queries of one rendering. Measure right after

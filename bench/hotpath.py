@@ -57,7 +57,7 @@ class HotStatements:
 
     SQLite: the connection's own trace (what SQLite executed, BEGIN and COMMIT included).
     PostgreSQL: Django's captured queries, plus the statements sent through
-    ``locking.pg_execute``; a commit is an explicit COMMIT or a hot statement sent
+    ``PostgresStore.execute``; a commit is an explicit COMMIT or a hot statement sent
     outside a transaction (it commits itself).
     """
 
@@ -67,7 +67,7 @@ class HotStatements:
     def __enter__(self):
         from django.test.utils import CaptureQueriesContext
 
-        from durable.store import locking
+        from durable.store.postgres import PostgresStore
 
         self.conn.ensure_connection()
         if self.conn.vendor == "sqlite":
@@ -80,24 +80,24 @@ class HotStatements:
             return self
         self._explicit = Commits(self.conn)
         self._captured = CaptureQueriesContext(self.conn).__enter__()
-        self._pg_execute = original = locking.pg_execute
+        self._pg_execute = original = PostgresStore.execute
 
-        def pg_execute(sql, params, db=None):
+        def pg_execute(store, sql, params, db=None):
             self.statements.append(sql)
             if not self.conn.in_atomic_block:
                 self.commits += 1
-            return original(sql, params, db)
+            return original(store, sql, params, db)
 
-        locking.pg_execute = pg_execute
+        PostgresStore.execute = pg_execute
         return self
 
     def __exit__(self, *exc):
-        from durable.store import locking
+        from durable.store.postgres import PostgresStore
 
         if self.conn.vendor == "sqlite":
             self.conn.connection.set_trace_callback(None)
             return False
-        locking.pg_execute = self._pg_execute
+        PostgresStore.execute = self._pg_execute
         self._captured.__exit__(*exc)
         self._explicit.close()
         self.statements += [q["sql"] for q in self._captured.captured_queries]

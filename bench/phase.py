@@ -260,15 +260,16 @@ def bulk_finished(start, stop):
 def explain_claim():
     from django.db import connection, transaction
 
-    from durable.store import locking, sql
+    from durable.store import database, sqlite
 
     with transaction.atomic():
         with connection.cursor() as cur:
             if connection.vendor == "postgresql":
-                statement, params = locking._pg_claim("bench-explain", 60.0, None, None, None)
+                statement, params = database.of(connection).claim_statement("bench-explain", 60.0, None, None,
+                                                                            None)
                 cur.execute("EXPLAIN (ANALYZE, BUFFERS) " + statement, params)
             else:
-                cur.execute("EXPLAIN QUERY PLAN " + sql.SQLITE_PICK_JOB.format(filters=""))
+                cur.execute("EXPLAIN QUERY PLAN " + sqlite.PICK_JOB.format(filters=""))
             plan = "\n".join(" ".join(str(c) for c in row) for row in cur.fetchall())
         # EXPLAIN ANALYZE really ran the UPDATE: leave the table as it was.
         transaction.set_rollback(True)

@@ -68,7 +68,7 @@ def enqueue(task, *args, key=None, **kwargs):
 
 
 def signal(job_key, name, payload=None, *, dedupe_key=None, source="api"):
-    """Deliver the signal ``name`` to the job ``job_key``'s inbox; see ``durable.inbox.signal``."""
+    """Deliver the signal ``name`` to the job ``job_key``'s inbox; see ``durable.steps.inbox.signal``."""
     from .steps.inbox import signal as _signal
 
     return _signal(job_key, name, payload, dedupe_key=dedupe_key, source=source)

@@ -1,18 +1,16 @@
 """The admin: jobs and their records, read-only, plus the operator console's pages.
 
 Nothing here edits a row. Changes go through services (``durable.services``,
-``durable.reconcile``), each with its own permission; admin actions only lead to a
+``durable.actions.reconcile``), each with its own permission; admin actions only lead to a
 confirmation page that restates what will change and asks for a reason.
 """
 
-import json
 from contextvars import ContextVar
 from decimal import Decimal
 
 from django.contrib import admin
 from django.contrib.admin.views.main import ChangeList
 from django.core.paginator import Paginator
-from django.db import connections
 from django.db.models import DecimalField, OuterRef, Subquery, Sum
 from django.db.models.functions import Coalesce
 from django.template.defaultfilters import truncatechars
@@ -25,6 +23,7 @@ from .core.formats import age, money
 from .core.workflows import registry
 from .models import Approval, Job, JobEvent, Outbox, Pause, StepResult
 from .reads import reports
+from .store import database
 
 
 class _YesFilter(admin.SimpleListFilter):
@@ -189,12 +188,7 @@ class BoundedCountPaginator(Paginator):
 
 def _planner_rows(queryset):
     """The planner's estimate of the rows ``queryset`` matches (PostgreSQL), else None."""
-    if connections[queryset.db].vendor != "postgresql":
-        return None
-    if not queryset.query.where:
-        return reports.estimated_rows(queryset.model)
-    plan = json.loads(queryset.order_by().values("pk").explain(format="json"))
-    return int(plan[0]["Plan"]["Plan Rows"])
+    return database.for_alias(queryset.db).planned_count(queryset)
 
 
 def _cost_so_far():
@@ -277,11 +271,8 @@ class JobAdmin(ReadOnlyAdmin):
         term = search_term.strip()
         if not term:
             return queryset, False
-        if connections[queryset.db].vendor == "sqlite":
-            # SQLite's LIKE ignores case, so no index serves it: the same keys as a range
-            # of the key's own index (text compares byte by byte there).
-            return queryset.filter(pk__gte=term, pk__lt=term + "\U0010ffff"), False
-        return queryset.filter(pk__startswith=term), False
+        # On SQLite a range of the key's own index (its LIKE ignores case: no index serves it).
+        return queryset.filter(database.for_alias(queryset.db).key_prefix("pk", term)), False
 
     def get_urls(self):
         return views.job_urls(self) + super().get_urls()

@@ -5,6 +5,7 @@ from django.db import connections
 
 from .conf import durable_settings
 from .core.workflows import registry
+from .store import database
 
 
 @checks.register()
@@ -65,7 +66,7 @@ def check_threads(app_configs, **kwargs):
 def check_sqlite_journal(app_configs, databases=None, **kwargs):
     """Several worker processes on SQLite need WAL, a busy timeout and immediate transactions."""
     conn = connections["default"]
-    if conn.vendor != "sqlite":
+    if not database.of(conn).one_writer:  # SQLite: one write lock for the whole database
         return []
     problems = []
     options = conn.settings_dict.get("OPTIONS", {})
@@ -170,8 +171,8 @@ def filesystem_of(path, mountinfo=None):
 def check_sqlite_filesystem(app_configs, databases=None, **kwargs):
     """SQLite on a network file system loses its locking guarantees."""
     conn = connections["default"]
-    name = str(conn.settings_dict.get("NAME") or "")
-    if conn.vendor != "sqlite" or not name or ":memory:" in name or "mode=memory" in name:
+    name = database.of(conn).file_path(conn)  # None: a server's, or SQLite in memory
+    if not name:
         return []
     import os
 

@@ -73,7 +73,7 @@ DEFAULTS = {
     "HTTP_TIMEOUT": (3.05, 10.0),
     # Bounded lookups of an unknown action before it waits for an operator.
     "LOOKUP_ATTEMPTS": 5,
-    # Named action destinations: {"crm": {"CLASS": "durable.dispatch.HttpDestination", ...}}.
+    # Named action destinations: {"crm": {"CLASS": "durable.destinations.HttpDestination", ...}}.
     "DESTINATIONS": {},
     # Approvals: default expiry (seconds) and whether a submitter may approve their own job.
     "APPROVAL_EXPIRY_SECONDS": 24 * 3600,

@@ -1,6 +1,6 @@
 """Declaring schedules: ``durable.cron.Schedule`` and ``tick_of``.
 
-The schedules live in ``durable.schedules``.
+The schedules live in ``durable.schedules.firing``.
 """
 
 from .schedules.cron import Schedule, tick_of

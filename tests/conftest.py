@@ -175,6 +175,69 @@ def order(tmp_path):
     return path
 
 
+# People and proposals shared by the console and approval tests --------------------------
+
+
+@pytest.fixture
+def operator(client):
+    """The test client signed in as olga, an operator (the console's OPERATE permissions).
+
+    It is the ``client`` fixture itself, so signing ``client`` in as someone else in the
+    same test changes who this is. ``operator.user`` is olga. A module whose operator
+    needs more (to approve, say) extends this fixture under the same name and says so.
+    """
+    from tests.test_console_support import OPERATE, make_user
+
+    client.user = make_user("olga", *OPERATE)
+    client.force_login(client.user)
+    return client
+
+
+@pytest.fixture
+def viewer(client):
+    """The test client signed in as vera, who may look but not act (the console's VIEW permissions).
+
+    Like ``operator``, it is the ``client`` fixture itself: a test asks for one of the two.
+    """
+    from tests.test_console_support import VIEW, make_user
+
+    client.user = make_user("vera", *VIEW)
+    client.force_login(client.user)
+    return client
+
+
+@pytest.fixture
+def approver(django_user_model):
+    """Ada, a staff user who may approve proposals (and nothing else), to pass to the services."""
+    from django.contrib.auth.models import Permission
+
+    user = django_user_model.objects.create_user("ada", password="pw", is_staff=True)
+    user.user_permissions.add(Permission.objects.get(codename="approve_proposal"))
+    return django_user_model.objects.get(pk=user.pk)  # fresh permission cache
+
+
+@pytest.fixture
+def propose(order, refunds, run_worker_inline):
+    """``propose(key, workflow, **payload)``: submit a refund of the ``order`` file (as alice,
+    unless ``submitted_by`` says otherwise), run it in this process until it waits for
+    approval, and return its requested Approval (DoesNotExist if it asked for none)."""
+    from durable.models import Approval, ApprovalStatus
+    from durable.verbs import jobs as services
+
+    def go(key="job-1", workflow="refund", submitted_by="alice", **payload):
+        services.submit(workflow, key, {"order_file": order, **payload}, submitted_by=submitted_by)
+        run_worker_inline()
+        return Approval.objects.get(job_id=key, status=ApprovalStatus.REQUESTED)
+
+    return go
+
+
+@pytest.fixture
+def refund_proposal(propose):
+    """A refund of order 123 (job ``order-123``) waiting for approval: its requested Approval."""
+    return propose("order-123")
+
+
 def sqlite_commits(run):
     """Call ``run()`` and return how many COMMITs the SQLite connection sent meanwhile."""
     connection.ensure_connection()

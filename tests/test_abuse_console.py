@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from durable.models import Job, JobEvent
-from tests.test_console_support import OPERATE, make_job, make_user
+from tests.test_console_support import make_job
 
 pytestmark = pytest.mark.django_db
 
@@ -23,12 +23,6 @@ FUZZ = settings(max_examples=int(os.environ.get("DURABLE_PROPERTY_EXAMPLES", 25)
 junk = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"),
                max_size=300)
 VERBS = ["requeue", "retry", "cancel", "send_back"]
-
-
-@pytest.fixture
-def operator(client):
-    client.force_login(make_user("operator", *OPERATE))
-    return client
 
 
 def act(pk, verb):

@@ -1,9 +1,9 @@
-"""The two writes around a send (``durable.action_rows``): fenced, and nothing written when a fence fails.
+"""The two writes around a send (``durable.store.action_rows``): fenced, and nothing written when a fence fails.
 
 The dispatcher marks a claimed row attempted before it sends it and records its success
 after, each as one statement that commits itself (a few in one IMMEDIATE transaction on
 SQLite). Each is fenced by the claim's token and by the job's state; the general path of
-``durable.sender`` takes over whenever a fence fails. Checked here on the store
+``durable.engine.dispatch.sender`` takes over whenever a fence fails. Checked here on the store
 functions themselves, then through a dispatcher, on both databases.
 """
 

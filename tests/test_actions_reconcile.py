@@ -26,7 +26,8 @@ pytestmark = pytest.mark.django_db
 
 
 @pytest.fixture
-def operator():
+def reconciler():
+    """Olga as a user (not a client), who may reconcile actions and do nothing else."""
     user = User.objects.create_user("olga", password="x", is_staff=True)
     user.user_permissions.add(Permission.objects.get(codename="reconcile_action"))
     return User.objects.get(pk=user.pk)  # a fresh instance: no stale permission cache
@@ -48,10 +49,10 @@ def operator_events(key):
     return list(JobEvent.objects.filter(job_id=key, kind="operator").order_by("id"))
 
 
-def test_mark_happened_records_the_remote_id_and_the_job_advances(unknown, drive, operator):
+def test_mark_happened_records_the_remote_id_and_the_job_advances(unknown, drive, reconciler):
     row = action("t1")
     [applied] = unknown.actions
-    reconcile.mark_happened(row.pk, applied["id"], version=row.version, user=operator,
+    reconcile.mark_happened(row.pk, applied["id"], version=row.version, user=reconciler,
                             reason="found it in the CRM")
     drive(in_state("t1", "confirm_done"))
 
@@ -64,7 +65,7 @@ def test_mark_happened_records_the_remote_id_and_the_job_advances(unknown, drive
     decision = operator_events("t1")[0]
     assert decision.actor == "olga" and "found it in the CRM" in decision.message
     assert decision.data["version"] == row.version - 1
-    assert LogEntry.objects.filter(user=operator, object_id="t1").exists()
+    assert LogEntry.objects.filter(user=reconciler, object_id="t1").exists()
     assert len(unknown.actions) == 1 and len(posts(unknown)) == 1
 
 
@@ -165,7 +166,7 @@ def test_a_decision_on_a_stale_version_is_refused_and_changes_nothing(unknown):
 
 
 def test_verbs_refuse_a_settled_action_bad_input_and_users_without_permission(
-        receiver, drive, operator):
+        receiver, drive, reconciler):
     durable.submit("ticket", "t1", {})
     drive(in_state("t1", "confirm_done"))
     row = action("t1")

@@ -12,8 +12,8 @@ from django.core.exceptions import ImproperlyConfigured
 
 import durable
 from durable.actions import approvals
-from durable.agents.tools import grant
 from durable.agents import AgentWorkflow, Tool, tool
+from durable.agents.tools import grant
 from durable.core.workflows import registry
 from durable.exceptions import OperatorError
 from durable.models import Approval, ApprovalStatus, EventKind, JobEvent, Outbox, StepResult

@@ -3,8 +3,8 @@
 import pytest
 
 import durable
-from durable.llm import OpenAIChat
 from durable.core.workflows import registry
+from durable.llm import OpenAIChat
 from durable.models import Approval, Job, StepResult
 from durable.testing import FakeModelServer, reply, tool_call
 

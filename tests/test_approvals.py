@@ -41,30 +41,11 @@ def dispatch_all():
 
 
 @pytest.fixture
-def approver(django_user_model):
-    user = django_user_model.objects.create_user("ada", password="pw", is_staff=True)
-    user.user_permissions.add(Permission.objects.get(codename="approve_proposal"))
-    return django_user_model.objects.get(pk=user.pk)  # fresh permission cache
-
-
-@pytest.fixture
-def viewer(django_user_model):
+def approval_viewer(django_user_model):
+    """Vic, a staff user (not a client) who may see approvals but not decide them."""
     user = django_user_model.objects.create_user("vic", password="pw", is_staff=True)
     user.user_permissions.add(Permission.objects.get(codename="view_approval"))
     return django_user_model.objects.get(pk=user.pk)
-
-
-@pytest.fixture
-def propose(order, refunds, run):
-    """Submit a refund and run it until it waits for approval; return the open Approval."""
-
-    def go(key="job-1", workflow="refund", **payload):
-        services.submit(workflow, key, {"order_file": order, **payload},
-                        submitted_by=payload.pop("submitted_by", "alice"))
-        run()
-        return Approval.objects.filter(job_id=key).order_by("-id").first()
-
-    return go
 
 
 def state(key="job-1"):
@@ -183,8 +164,9 @@ def test_a_predicate_asks_for_approval_only_when_it_holds(order, refunds, run, p
     assert big is not None and state("big") == "awaiting_approval_refund"
 
     write_order(order, amount="42.00")
-    small = propose("small", workflow="refund_above")
-    assert small is None
+    services.submit("refund_above", "small", {"order_file": order}, submitted_by="alice")
+    run()
+    assert not Approval.objects.filter(job_id="small").exists()
     dispatch_all()
     assert state("small") == "refunded"
     assert [a["body"]["amount"] for a in refunds.actions] == ["42.00"]
@@ -349,13 +331,13 @@ def test_without_four_eyes_the_submitter_may_approve(propose, django_user_model)
     assert state() == "in_flight_refund"
 
 
-def test_a_user_without_the_permission_cannot_decide(propose, viewer):
+def test_a_user_without_the_permission_cannot_decide(propose, approval_viewer):
     approval = propose()
 
     with pytest.raises(DecisionForbidden, match="approve_proposal"):
-        approvals.approve(approval.pk, approval.proposal_hash, viewer)
+        approvals.approve(approval.pk, approval.proposal_hash, approval_viewer)
     with pytest.raises(DecisionForbidden):
-        approvals.reject(approval.pk, approval.proposal_hash, viewer, "no")
+        approvals.reject(approval.pk, approval.proposal_hash, approval_viewer, "no")
     assert Approval.objects.get(pk=approval.pk).status == ApprovalStatus.REQUESTED
 
 

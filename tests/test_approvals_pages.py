@@ -17,16 +17,6 @@ pytestmark = pytest.mark.django_db
 QUEUE = "admin:durable_approvals"
 
 
-@pytest.fixture
-def propose(order, refunds, run_worker_inline):
-    def go(key="job-1", workflow="refund"):
-        services.submit(workflow, key, {"order_file": order}, submitted_by="alice")
-        run_worker_inline()
-        return Approval.objects.get(job_id=key, status=ApprovalStatus.REQUESTED)
-
-    return go
-
-
 def staff(django_user_model, name, *codenames):
     user = django_user_model.objects.create_user(name, password="pw", is_staff=True)
     for codename in codenames:

@@ -17,13 +17,6 @@ from tests.testapp.approval_workflows import REFUNDS_URL_ENV, write_order
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-@pytest.fixture
-def approver(django_user_model):
-    user = django_user_model.objects.create_user("ada", is_staff=True)
-    user.user_permissions.add(Permission.objects.get(codename="approve_proposal"))
-    return django_user_model.objects.get(pk=user.pk)
-
-
 def proposals(log: Path):
     if not log.exists():
         return collections.Counter()

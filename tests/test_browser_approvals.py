@@ -12,24 +12,13 @@ import pytest
 from django.contrib.auth.models import Permission
 
 from durable.models import Approval, ApprovalStatus, Job
-from durable.verbs import jobs as services
 from tests.conftest import wait_for
 from tests.test_console_support import log_in as console_log_in
-from tests.testapp.approval_workflows import REFUNDS_URL_ENV, write_order
+from tests.testapp.approval_workflows import REFUNDS_URL_ENV
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
 SUMMARY = "Refund EUR 42.00 to order #123"
-
-
-@pytest.fixture
-def proposal(tmp_path, refunds, run_worker_inline):
-    """A refund job waiting for approval, prepared by an in-process worker."""
-    path = str(tmp_path / "order.json")
-    write_order(path, id="123", amount="42.00", currency="EUR")
-    services.submit("refund", "order-123", {"order_file": path}, submitted_by="alice")
-    run_worker_inline()
-    return Approval.objects.get(job_id="order-123", status=ApprovalStatus.REQUESTED)
 
 
 def make_staff(django_user_model, name, *codenames):
@@ -44,7 +33,7 @@ def log_in(page, live_server, username):
 
 
 def test_staff_with_the_permission_approve_in_the_browser_and_runworkers_sends_once(
-    page, live_server, django_user_model, proposal, refunds, workers
+    page, live_server, django_user_model, refund_proposal, refunds, workers
 ):
     make_staff(django_user_model, "ada", "view_approval", "approve_proposal")
     log_in(page, live_server, "ada")
@@ -64,7 +53,7 @@ def test_staff_with_the_permission_approve_in_the_browser_and_runworkers_sends_o
     page.wait_for_url("**/admin/durable/approvals/")
     assert dialogs and "Approve and send refund to refunds" in dialogs[0]
     assert "Approved" in page.locator(".messagelist").inner_text()
-    assert Approval.objects.get(pk=proposal.pk).status == ApprovalStatus.APPROVED
+    assert Approval.objects.get(pk=refund_proposal.pk).status == ApprovalStatus.APPROVED
 
     proc = workers.start(env={REFUNDS_URL_ENV: refunds.url})
     try:
@@ -74,12 +63,12 @@ def test_staff_with_the_permission_approve_in_the_browser_and_runworkers_sends_o
     finally:
         workers.terminate(proc)
 
-    assert [a["body"] for a in refunds.actions] == [proposal.proposal["values"]]
+    assert [a["body"] for a in refunds.actions] == [refund_proposal.proposal["values"]]
     assert refunds.requests == 1
 
 
 def test_view_only_staff_see_no_buttons_and_a_forged_post_is_refused(
-    page, live_server, django_user_model, proposal
+    page, live_server, django_user_model, refund_proposal
 ):
     make_staff(django_user_model, "vic", "view_approval")
     log_in(page, live_server, "vic")
@@ -106,10 +95,10 @@ def test_view_only_staff_see_no_buttons_and_a_forged_post_is_refused(
                 document.body.appendChild(form);
                 form.submit();
             }""",
-            proposal.proposal_hash,
+            refund_proposal.proposal_hash,
         )
     assert posted.value.status == 403
     page.wait_for_load_state()
     assert "may view proposals but not decide them" in page.locator(".messagelist").inner_text()
-    assert Approval.objects.get(pk=proposal.pk).status == ApprovalStatus.REQUESTED
+    assert Approval.objects.get(pk=refund_proposal.pk).status == ApprovalStatus.REQUESTED
     assert Job.objects.get(pk="order-123").state == "awaiting_approval_refund"

@@ -12,7 +12,7 @@ import pytest
 from django.db import transaction
 
 import durable
-from durable.models import Approval, ApprovalStatus, Job, JobEvent, OutboxStatus
+from durable.models import Job, JobEvent, OutboxStatus
 from durable.store import locking
 from tests.conftest import ROOT
 from tests.test_actions_support import action
@@ -230,15 +230,8 @@ def test_read_the_cost_report(busy, console, shots):
     assert page.locator(".durable-per-series tfoot").inner_text() == total
 
 
-def test_the_approval_page_in_the_console(console, receivers, run_worker_inline, tmp_path, shots):
-    from tests.testapp.approval_workflows import use_refunds_receiver, write_order
-
-    use_refunds_receiver(receivers().url)
-    path = str(tmp_path / "order.json")
-    write_order(path, id="123", amount="42.00", currency="EUR")
-    durable.submit("refund", "order-123", {"order_file": path}, submitted_by="alice")
-    run_worker_inline()
-    approval = Approval.objects.get(job_id="order-123", status=ApprovalStatus.REQUESTED)
+def test_the_approval_page_in_the_console(console, refund_proposal, shots):
+    approval = refund_proposal
     page = console
 
     page.get_by_role("link", name="Approvals").first.click()

@@ -22,21 +22,11 @@ from tests.test_console_support import (
     make_memo,
     make_user,
 )
-from tests.testapp.approval_workflows import write_order
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
 PHONE = {"width": 390, "height": 844}
 DESKTOP = {"width": 1440, "height": 900}
-
-
-@pytest.fixture
-def proposal(tmp_path, refunds, run_worker_inline):
-    path = str(tmp_path / "order.json")
-    write_order(path, id="123", amount="42.00", currency="EUR")
-    services.submit("refund", "order-123", {"order_file": path}, submitted_by="alice")
-    run_worker_inline()
-    return Approval.objects.get(job_id="order-123", status=ApprovalStatus.REQUESTED)
 
 
 @pytest.fixture
@@ -46,7 +36,7 @@ def console(page, live_server):
 
 
 @pytest.fixture
-def some_of_everything(proposal):
+def some_of_everything(refund_proposal):
     with transaction.atomic():
         now = locking.db_now()
         failed = make_job("doc-1-with-a-rather-long-idempotency-key-0001", "failed_extract",
@@ -56,7 +46,7 @@ def some_of_everything(proposal):
         make_job("doc-2", "needs_human", now=now, last_error="the model is only 45% sure")
         unknown = make_job("doc-3", "unknown_create_ticket", workflow="ticket", now=now)
         make_action(unknown, "create_ticket", last_error="no reply in time: ReadTimeout")
-    return proposal
+    return refund_proposal
 
 
 def overflow(page):
@@ -125,9 +115,9 @@ def test_4_a_login_after_an_expired_session_on_a_button_lands_on_a_page(page, li
 
 
 def test_1_a_proposal_that_expires_while_open_can_be_prepared_again(
-        console, proposal, run_worker_inline):
-    console.goto(f"{console.base}/admin/durable/approvals/{proposal.pk}/")
-    Approval.objects.filter(pk=proposal.pk).update(expires_at=Now() - datetime.timedelta(seconds=1))
+        console, refund_proposal, run_worker_inline):
+    console.goto(f"{console.base}/admin/durable/approvals/{refund_proposal.pk}/")
+    Approval.objects.filter(pk=refund_proposal.pk).update(expires_at=Now() - datetime.timedelta(seconds=1))
     dialogs = []
     console.on("dialog", lambda d: (dialogs.append(d.message), d.accept()))
     console.get_by_role("button", name="Approve").click()
@@ -139,17 +129,17 @@ def test_1_a_proposal_that_expires_while_open_can_be_prepared_again(
     console.wait_for_load_state()
     run_worker_inline()
     fresh = Approval.objects.get(job_id="order-123", status=ApprovalStatus.REQUESTED)
-    assert fresh.pk != proposal.pk
+    assert fresh.pk != refund_proposal.pk
     console.goto(f"{console.base}/admin/durable/approvals/")
     assert console.locator(f'[data-approval="{fresh.pk}"]').is_visible()
 
 
-def test_8_reject_says_it_cancels_the_job_and_asks_first(console, proposal):
-    console.goto(f"{console.base}/admin/durable/approvals/{proposal.pk}/")
+def test_8_reject_says_it_cancels_the_job_and_asks_first(console, refund_proposal):
+    console.goto(f"{console.base}/admin/durable/approvals/{refund_proposal.pk}/")
     dialogs = []
     console.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
     console.fill("#reject-reason", "wrong amount")
     console.get_by_role("button", name="Reject").click()
     assert dialogs and "cancel" in dialogs[0].lower()
     # Dismissed: nothing was decided.
-    assert Approval.objects.get(pk=proposal.pk).status == ApprovalStatus.REQUESTED
+    assert Approval.objects.get(pk=refund_proposal.pk).status == ApprovalStatus.REQUESTED

@@ -3,7 +3,6 @@ then exits with a summary, and what waits for a person, a time or a signal does 
 it running."""
 
 import pytest
-from django.contrib.auth.models import Permission
 
 import durable
 from durable.actions import approvals
@@ -23,13 +22,6 @@ def burst(workers, *args, **env):
     proc = workers.start("--burst", *args, processes=2, **env)
     code = proc.wait(BURST_SECONDS)
     return code, workers.output(proc)
-
-
-@pytest.fixture
-def approver(django_user_model):
-    user = django_user_model.objects.create_user("ada", is_staff=True)
-    user.user_permissions.add(Permission.objects.get(codename="approve_proposal"))
-    return django_user_model.objects.get(pk=user.pk)
 
 
 def approve_all(user):

@@ -25,18 +25,6 @@ def job_page(pk):
 
 
 @pytest.fixture
-def viewer(client):
-    client.force_login(make_user("viewer", *VIEW))
-    return client
-
-
-@pytest.fixture
-def operator(client):
-    client.force_login(make_user("operator", *OPERATE))
-    return client
-
-
-@pytest.fixture
 def scene(db):
     """A pipeline with a stalled stage, a stuck job, a failure group and some cost."""
     now = locking.db_now()
@@ -163,8 +151,8 @@ def test_confirming_the_group_requeues_each_job_with_the_reason(operator, scene)
     assert set(Job.objects.filter(pk__startswith="bad").values_list("state", flat=True)) == {
         "pending"}
     event = JobEvent.objects.filter(job_id="bad0", kind=EventKind.OPERATOR).get()
-    assert event.actor == "operator" and "parser fixed in 1.4" in event.message
-    assert LogEntry.objects.filter(user__username="operator").count() == 2
+    assert event.actor == "olga" and "parser fixed in 1.4" in event.message
+    assert LogEntry.objects.filter(user__username="olga").count() == 2
 
 
 def test_a_group_that_grew_since_the_confirmation_is_shown_again(operator, scene):
@@ -331,10 +319,10 @@ def test_requeue_from_the_job_page_moves_the_job_and_records_who_and_why(operato
     assert response.status_code == 302 and response["Location"] == job_page("bad0")
     assert Job.objects.get(pk="bad0").state == "pending"
     event = JobEvent.objects.get(job_id="bad0", kind=EventKind.OPERATOR)
-    assert (event.actor, event.from_state, event.to_state) == ("operator", "failed_fetch", "pending")
+    assert (event.actor, event.from_state, event.to_state) == ("olga", "failed_fetch", "pending")
     assert "fixed the parser" in event.message
     entry = LogEntry.objects.get(object_id="bad0")
-    assert entry.user.username == "operator" and "fixed the parser" in entry.change_message
+    assert entry.user.username == "olga" and "fixed the parser" in entry.change_message
     assert "requeued" in operator.get(response["Location"]).content.decode()
 
 
@@ -347,7 +335,7 @@ def test_each_verb_calls_its_service(operator, scene, verb, key, state):
     operator.post(url("durable_job_act", key, verb), {"reason": "because"})
 
     assert Job.objects.get(pk=key).state == state
-    assert JobEvent.objects.filter(job_id=key, kind=EventKind.OPERATOR, actor="operator").exists()
+    assert JobEvent.objects.filter(job_id=key, kind=EventKind.OPERATOR, actor="olga").exists()
 
 
 def test_send_back_goes_to_the_state_the_operator_chose(operator, ran):
@@ -578,11 +566,11 @@ def test_pausing_shows_a_banner_with_who_when_and_why_everywhere(operator, scene
                                                    "reason": "provider outage"}, follow=True)
 
     pause = Pause.objects.get()
-    assert (pause.workflow, pause.paused_by, pause.reason) == ("test_pipeline", "operator",
+    assert (pause.workflow, pause.paused_by, pause.reason) == ("test_pipeline", "olga",
                                                                "provider outage")
     for page in (response, operator.get(url("durable_job_changelist")), operator.get(job_page("bad0"))):
         html = page.content.decode()
-        assert "test_pipeline is paused." in html and "operator" in html and "provider outage" in html
+        assert "test_pipeline is paused." in html and "olga" in html and "provider outage" in html
     assert LogEntry.objects.get(object_id="test_pipeline").change_message == "paused: provider outage"
 
 

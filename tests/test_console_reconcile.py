@@ -10,7 +10,6 @@ from django.urls import reverse
 import durable
 from durable.models import EventKind, JobEvent, OutboxStatus
 from tests.test_actions_support import action, in_state, job
-from tests.test_console_support import OPERATE, VIEW, make_user
 
 pytest_plugins = ["tests.test_actions_support"]
 pytestmark = pytest.mark.django_db
@@ -31,18 +30,6 @@ def unknown(receivers, drive):
           and action("t1").next_attempt_at is None)
     assert job("t1").state == "unknown_create_ticket"
     return receiver
-
-
-@pytest.fixture
-def operator(client):
-    client.force_login(make_user("olga", *OPERATE))
-    return client
-
-
-@pytest.fixture
-def viewer(client):
-    client.force_login(make_user("vera", *VIEW))
-    return client
 
 
 def test_the_page_lists_the_unknown_action_with_key_destination_and_error(viewer, unknown):

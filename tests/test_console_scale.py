@@ -33,7 +33,8 @@ def writes(captured):
 
 
 @pytest.fixture
-def operator():
+def superuser():
+    """A client signed in as a superuser: every page of the console is open to it."""
     user = User.objects.create_superuser("ops", "ops@example.org", "pw")
     client = Client()
     client.force_login(user)
@@ -56,9 +57,9 @@ def busy_hour():
 @pytest.mark.parametrize("url", ["/admin/durable/dashboard/", "/admin/durable/costs/",
                                  "/admin/durable/job/", "/admin/durable/approvals/",
                                  "/admin/durable/reconcile/"])
-def test_a_console_page_writes_nothing(operator, busy_hour, url):
+def test_a_console_page_writes_nothing(superuser, busy_hour, url):
     with CaptureQueriesContext(connection) as captured:
-        response = operator.get(url)
+        response = superuser.get(url)
 
     assert response.status_code == 200
     assert writes(captured) == []
@@ -77,7 +78,7 @@ def test_metrics_write_nothing(busy_hour):
     assert 'durable_step_cost_total{step="extract",workflow="test_pipeline"} 1.5' in response.content.decode()
 
 
-def test_pages_show_the_same_money_before_and_after_the_roll_up(operator, busy_hour):
+def test_pages_show_the_same_money_before_and_after_the_roll_up(superuser, busy_hour):
     before = reports.cost_per_step()
     rollups.roll_up()
 
@@ -184,14 +185,14 @@ def analyze():
             cursor.execute("ANALYZE durable_job")
 
 
-def test_a_large_finished_state_is_counted_up_to_a_bound_and_labelled(operator, monkeypatch):
+def test_a_large_finished_state_is_counted_up_to_a_bound_and_labelled(superuser, monkeypatch):
     monkeypatch.setattr(reports, "ESTIMATE_ABOVE", 3)
     for i in range(5):
         make_job(f"d{i}", "delivered", age=5000)
     analyze()
 
     [row] = reports.where_is_everything().rows
-    page = operator.get("/admin/durable/dashboard/").content.decode()
+    page = superuser.get("/admin/durable/dashboard/").content.decode()
 
     if connection.vendor == "postgresql":
         assert row.estimated and not row.capped
@@ -201,7 +202,7 @@ def test_a_large_finished_state_is_counted_up_to_a_bound_and_labelled(operator, 
         assert "more than 3" in page
 
 
-def test_a_long_job_list_says_its_count_is_a_bound(operator, monkeypatch):
+def test_a_long_job_list_says_its_count_is_a_bound(superuser, monkeypatch):
     from durable import admin as durable_admin
 
     monkeypatch.setattr(durable_admin, "COUNT_UP_TO", 3)
@@ -209,8 +210,8 @@ def test_a_long_job_list_says_its_count_is_a_bound(operator, monkeypatch):
         make_job(f"p{i}", "pending")
     analyze()
 
-    page = operator.get("/admin/durable/job/?state=pending").content.decode()
-    exact = operator.get("/admin/durable/job/?state=pending&q=p1").content.decode()
+    page = superuser.get("/admin/durable/job/?state=pending").content.decode()
+    exact = superuser.get("/admin/durable/job/?state=pending&q=p1").content.decode()
 
     if connection.vendor == "postgresql":
         assert "(estimated)" in page and "about " in page
@@ -219,14 +220,14 @@ def test_a_long_job_list_says_its_count_is_a_bound(operator, monkeypatch):
     assert "more than" not in exact and "(estimated)" not in exact and "1 job" in exact
 
 
-def test_the_job_list_reads_the_costs_of_its_page_and_still_sorts_by_cost(operator):
+def test_the_job_list_reads_the_costs_of_its_page_and_still_sorts_by_cost(superuser):
     cheap, dear = make_job("cheap", "pending", age=20), make_job("dear", "pending", age=10)
     make_memo(cheap, "extract", "0.001")
     make_memo(dear, "extract", "0.5")
 
     with CaptureQueriesContext(connection) as captured:
-        listed = operator.get("/admin/durable/job/").context["cl"].result_list
-    by_cost = operator.get("/admin/durable/job/?o=-8").context["cl"].result_list
+        listed = superuser.get("/admin/durable/job/").context["cl"].result_list
+    by_cost = superuser.get("/admin/durable/job/?o=-8").context["cl"].result_list
 
     assert {j.pk: j.cost_total for j in listed} == {"dear": Decimal("0.5"), "cheap": Decimal("0.001")}
     # No cost subquery per job in the list's query: one grouped query for the page.

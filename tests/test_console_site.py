@@ -7,7 +7,7 @@ from django.urls import path
 
 from durable.admin import JobAdmin, OutboxAdmin, StepResultAdmin, install_console
 from durable.models import Job, Outbox, StepResult
-from tests.test_console_support import OPERATE, make_job, make_user
+from tests.test_console_support import make_job
 
 pytestmark = pytest.mark.django_db
 
@@ -22,16 +22,15 @@ urlpatterns = [path("ops/", site.urls)]
 
 
 @override_settings(ROOT_URLCONF=__name__)
-def test_a_custom_admin_site_serves_the_console_with_its_own_links(client):
+def test_a_custom_admin_site_serves_the_console_with_its_own_links(operator):
     make_job("bad", "failed_fetch", last_error="ValueError: x")
-    client.force_login(make_user("olga", *OPERATE))
 
-    response = client.get("/ops/durable/dashboard/")
+    response = operator.get("/ops/durable/dashboard/")
 
     assert response.status_code == 200
     html = response.content.decode()
     assert "/ops/durable/job/?kind=failed" in html and "/ops/durable/costs/" in html
     assert "/admin/" not in html.replace("/static/admin/", "")
-    assert client.get("/ops/durable/job/bad/change/").status_code == 200
-    assert client.post("/ops/durable/job/bad/act/requeue/", {"reason": "x"}).status_code == 302
+    assert operator.get("/ops/durable/job/bad/change/").status_code == 200
+    assert operator.post("/ops/durable/job/bad/act/requeue/", {"reason": "x"}).status_code == 302
     assert Job.objects.get().state == "pending"

@@ -6,7 +6,7 @@ from django.urls import reverse
 
 import durable
 from durable.models import EventKind, Job, JobEvent, Signal
-from tests.test_console_support import OPERATE, VIEW, make_user
+from tests.test_console_support import OPERATE, make_user
 
 from .test_engine import drain
 
@@ -73,10 +73,9 @@ def test_a_bad_signal_form_changes_nothing_and_says_why(signaller, parked, form,
     assert not Signal.objects.exists()
 
 
-def test_a_user_without_the_permission_sees_no_form_and_a_direct_post_is_refused(client, parked):
-    client.force_login(make_user("viewer", *VIEW))
-    assert "Deliver a signal" not in client.get(job_page("j")).content.decode()
-    response = client.post(signal_url("j"), {"name": "confirmed", "payload": "{}", "reason": "r"})
+def test_a_user_without_the_permission_sees_no_form_and_a_direct_post_is_refused(viewer, parked):
+    assert "Deliver a signal" not in viewer.get(job_page("j")).content.decode()
+    response = viewer.post(signal_url("j"), {"name": "confirmed", "payload": "{}", "reason": "r"})
     assert response.status_code == 403
     assert "durable.send_signal" in response.content.decode()
     assert not Signal.objects.exists()

@@ -84,6 +84,41 @@ def test_a_bearer_token_source(client, waiting):
     assert Signal.objects.get().source == "webhook:crm"
 
 
+def finish_then_post(client, raw):
+    Job.objects.filter(pk="order-42").update(state="finish_done")
+    return post(client, raw)
+
+
+# How each bad request of the test below is sent, given the client and a good body.
+BAD_REQUESTS = {
+    "no signature": lambda client, raw: post(client, raw, headers={}),
+    "forged signature": lambda client, raw: post(
+        client, raw, headers={**sign(SECRET, raw), "X-Durable-Signature": "v1=" + "0" * 64}),
+    "other secret": lambda client, raw: post(client, raw, secret="guess"),
+    "body changed after signing": lambda client, raw: post(
+        client, body(payload={"ok": False}), headers=sign(SECRET, raw)),
+    "stale timestamp": lambda client, raw: post(client, raw, timestamp=time.time() - 301),
+    # Past the 300 s tolerance by more than a loaded machine takes to answer.
+    "future timestamp": lambda client, raw: post(client, raw, timestamp=time.time() + 360),
+    "timestamp not a number": lambda client, raw: post(
+        client, raw, headers={**sign(SECRET, raw), "X-Durable-Timestamp": "soon"}),
+    "not JSON": lambda client, raw: post(client, b"job=order-42&name=confirmed"),
+    "not an object": lambda client, raw: post(client, b"[1, 2]"),
+    "too large": lambda client, raw: post(client, body(payload="x" * 3000)),
+    "unknown source": lambda client, raw: post(client, raw, source="nobody"),
+    "source without credential": lambda client, raw: post(client, raw, source="empty"),
+    "unknown job": lambda client, raw: post(client, body(job="nobody")),
+    "finished job": finish_then_post,
+    "missing name": lambda client, raw: post(client, body(name=None)),
+    "missing dedupe key": lambda client, raw: post(client, body(dedupe_key=None)),
+    "unknown field": lambda client, raw: post(client, json.dumps({**json.loads(raw), "extra": 1}).encode()),
+    "payload not storable": lambda client, raw: post(client, body(payload="a\x00b")),
+    "no bearer": lambda client, raw: post(client, raw, source="crm", headers={}),
+    "wrong bearer": lambda client, raw: post(client, raw, source="crm", headers={"Authorization": "Bearer guess"}),
+    "GET": lambda client, raw: client.get("/hooks/durable/shop/"),
+}
+
+
 @pytest.mark.parametrize(("case", "status", "message"), [
     ("no signature", 401, "signs its requests"),
     ("forged signature", 401, "does not match"),
@@ -108,51 +143,7 @@ def test_a_bearer_token_source(client, waiting):
     ("GET", 405, "POST"),
 ])
 def test_each_bad_request_gets_a_clear_4xx_and_changes_nothing(client, waiting, case, status, message):
-    raw = body()
-    if case == "no signature":
-        response = post(client, raw, headers={})
-    elif case == "forged signature":
-        response = post(client, raw, headers={**sign(SECRET, raw), "X-Durable-Signature": "v1=" + "0" * 64})
-    elif case == "other secret":
-        response = post(client, raw, secret="guess")
-    elif case == "body changed after signing":
-        response = post(client, body(payload={"ok": False}), headers=sign(SECRET, raw))
-    elif case == "stale timestamp":
-        response = post(client, raw, timestamp=time.time() - 301)
-    elif case == "future timestamp":
-        # Past the 300 s tolerance by more than a loaded machine takes to answer.
-        response = post(client, raw, timestamp=time.time() + 360)
-    elif case == "timestamp not a number":
-        response = post(client, raw, headers={**sign(SECRET, raw), "X-Durable-Timestamp": "soon"})
-    elif case == "not JSON":
-        response = post(client, b"job=order-42&name=confirmed")
-    elif case == "not an object":
-        response = post(client, b"[1, 2]")
-    elif case == "too large":
-        response = post(client, body(payload="x" * 3000))
-    elif case == "unknown source":
-        response = post(client, raw, source="nobody")
-    elif case == "source without credential":
-        response = post(client, raw, source="empty")
-    elif case == "unknown job":
-        response = post(client, body(job="nobody"))
-    elif case == "finished job":
-        Job.objects.filter(pk="order-42").update(state="finish_done")
-        response = post(client, raw)
-    elif case == "missing name":
-        response = post(client, body(name=None))
-    elif case == "missing dedupe key":
-        response = post(client, body(dedupe_key=None))
-    elif case == "unknown field":
-        response = post(client, json.dumps({**json.loads(raw), "extra": 1}).encode())
-    elif case == "payload not storable":
-        response = post(client, body(payload="a\x00b"))
-    elif case == "no bearer":
-        response = post(client, raw, source="crm", headers={})
-    elif case == "wrong bearer":
-        response = post(client, raw, source="crm", headers={"Authorization": "Bearer guess"})
-    else:
-        response = client.get("/hooks/durable/shop/")
+    response = BAD_REQUESTS[case](client, body())
     assert response.status_code == status, response.content
     assert message in response.json()["error"]
     assert nothing_changed()

@@ -8,7 +8,7 @@ import durable
 from durable.engine.runner import Runner
 from durable.exceptions import IdempotencyConflict, PayloadInvalid
 from durable.models import EventKind, Job, JobEvent
-from durable.store import locking
+from durable.store import database, locking
 from tests.settings import DURABLE as TEST_DURABLE
 
 from .conftest import ON_POSTGRES
@@ -131,12 +131,14 @@ def test_a_job_due_in_a_minute_is_never_reported_further_away():
 def test_a_failed_write_on_sqlite_rolls_back_and_leaves_no_transaction_open():
     durable.submit("recorded", "j", {})
 
+    store = database.current()
+
     def write(db):
-        locking.sqlite_execute("UPDATE durable_job SET state = 'tampered' WHERE id = ?", ("j",), db)
+        store.execute("UPDATE durable_job SET state = 'tampered' WHERE id = ?", ("j",), db)
         raise RuntimeError("the step's write failed half way")
 
     with pytest.raises(RuntimeError, match="half way"):
-        locking.sqlite_transaction(write)
+        store.immediate(write)
     assert not connection.connection.in_transaction
     assert Job.objects.get(pk="j").state == "pending"
-    assert locking.sqlite_transaction(lambda db: "committed") == "committed"
+    assert store.immediate(lambda db: "committed") == "committed"

@@ -12,7 +12,6 @@ from durable.core.workflows import registry
 from durable.exceptions import OperatorError
 from durable.models import EventKind, Job, JobEvent, StepResult
 from durable.verbs import answers
-from tests.test_console_support import OPERATE, VIEW, make_user
 
 from .test_engine import drain
 
@@ -34,12 +33,6 @@ def asked():
     drain()
     assert Job.objects.get(pk="doc-1").state == "needs_human"
     return "doc-1"
-
-
-@pytest.fixture
-def operator(client):
-    client.force_login(make_user("olga", *OPERATE))
-    return client
 
 
 def test_the_job_page_asks_the_question_with_the_value_to_correct(operator, asked):
@@ -105,11 +98,9 @@ def test_run_again_reruns_the_step_that_asked(operator, asked):
     assert Job.objects.get(pk=asked).state == "needs_human"  # same input, same question
 
 
-def test_a_viewer_sees_no_answer_form_and_a_direct_post_is_refused(client, asked):
-    client.force_login(make_user("viewer", *VIEW))
-
-    assert "Answer the question" not in client.get(job_page(asked)).content.decode()
-    response = client.post(answer_url(asked), {"field:n": "5", "reason": "r"})
+def test_a_viewer_sees_no_answer_form_and_a_direct_post_is_refused(viewer, asked):
+    assert "Answer the question" not in viewer.get(job_page(asked)).content.decode()
+    response = viewer.post(answer_url(asked), {"field:n": "5", "reason": "r"})
     assert response.status_code == 403
     assert Job.objects.get(pk=asked).state == "needs_human"
 

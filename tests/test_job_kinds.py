@@ -10,7 +10,7 @@ from django.urls import reverse
 
 from durable.models import EventKind, JobEvent
 from durable.reads import reports
-from tests.test_console_support import OPERATE, make_job, make_user
+from tests.test_console_support import make_job
 
 pytestmark = pytest.mark.django_db
 
@@ -34,12 +34,6 @@ JOBS = [
 def jobs():
     for key, workflow, state, _ in JOBS:
         make_job(key, state, workflow=workflow, age=60)
-
-
-@pytest.fixture
-def operator(client):
-    client.force_login(make_user("olga", *OPERATE))
-    return client
 
 
 def listed(client, **query):

@@ -10,7 +10,6 @@ from django.urls import reverse
 import durable
 from durable.models import OutboxStatus
 from tests.test_actions_support import action, job
-from tests.test_console_support import OPERATE, make_user
 
 pytest_plugins = ["tests.test_actions_support"]
 pytestmark = pytest.mark.django_db
@@ -27,28 +26,26 @@ def unknown(receivers, drive):
     return receiver
 
 
-def test_the_job_page_says_the_outcome_is_unknown_and_links_to_its_reconciliation_card(client, unknown):
-    client.force_login(make_user("olga", *OPERATE))
+def test_the_job_page_says_the_outcome_is_unknown_and_links_to_its_reconciliation_card(operator, unknown):
     row = action("t1")
 
-    page = client.get(reverse("admin:durable_job_change", args=["t1"])).content.decode()
+    page = operator.get(reverse("admin:durable_job_change", args=["t1"])).content.decode()
 
     assert 'id="job-unknown-action"' in page
     assert "The outcome of its action create_ticket → test_receiver is unknown" in page
     link = f'{reverse("admin:durable_reconcile")}#action-{row.pk}'
     assert f'href="{link}"' in page
     # The card the link points to is on the reconciliation page.
-    assert f'id="action-{row.pk}"' in client.get(reverse("admin:durable_reconcile")).content.decode()
+    assert f'id="action-{row.pk}"' in operator.get(reverse("admin:durable_reconcile")).content.decode()
     # Cancelling is one of the decisions there, not a button beside the banner.
     assert "durable_job_act" not in page and "/act/cancel/" not in page
 
 
-def test_a_job_whose_action_succeeded_has_no_such_banner(client, receivers, drive):
+def test_a_job_whose_action_succeeded_has_no_such_banner(operator, receivers, drive):
     receivers(lookup=False, idempotent=False)
     durable.submit("ticket", "t2", {"subject": "Fine"})
     drive(lambda: action("t2").status == OutboxStatus.SUCCEEDED)
-    client.force_login(make_user("olga", *OPERATE))
 
-    page = client.get(reverse("admin:durable_job_change", args=["t2"])).content.decode()
+    page = operator.get(reverse("admin:durable_job_change", args=["t2"])).content.decode()
 
     assert 'id="job-unknown-action"' not in page

@@ -7,8 +7,8 @@ from decimal import Decimal
 import pytest
 from django.test import override_settings
 
-from durable.llm import ModelReply, ModelReplyInvalid, OpenAIChat, price_cost
 from durable.exceptions import PermanentError, RetryableError
+from durable.llm import ModelReply, ModelReplyInvalid, OpenAIChat, price_cost
 from durable.testing import FakeModelServer, reply, tool_call
 
 openai = pytest.importorskip("openai")
@@ -288,8 +288,8 @@ def test_the_api_key_is_the_given_one_else_the_sdks_environment_variable_else_no
 
 
 def test_both_adapters_are_models_an_agent_calls_directly(server):
-    from durable.llm import AnthropicMessages
     from durable.agents import Model
+    from durable.llm import AnthropicMessages
 
     pytest.importorskip("anthropic")
     with chat(server) as openai_model, AnthropicMessages("fake-model", base_url=server.root_url) as claude_model:

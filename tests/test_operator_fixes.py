@@ -13,6 +13,7 @@ import sys
 from decimal import Decimal
 
 import pytest
+from django.contrib.auth.models import Permission
 from django.db.models.functions import Now
 from django.test import Client, override_settings
 from django.urls import reverse
@@ -24,7 +25,7 @@ from durable.models import Approval, ApprovalStatus, Job, OutboxStatus
 from durable.verbs import jobs as services
 from tests.conftest import ROOT
 from tests.test_actions_support import action, in_state
-from tests.test_console_support import OPERATE, make_job, make_memo, make_user
+from tests.test_console_support import make_job, make_memo, make_user
 from tests.testapp.approval_workflows import write_order
 
 pytest_plugins = ["tests.test_actions_support"]
@@ -45,22 +46,10 @@ def dispatch_all():
 
 
 @pytest.fixture
-def operator(django_user_model):
-    user = make_user("olga", *OPERATE, "approve_proposal")
-    client = Client()
-    client.force_login(user)
-    client.user = user
-    return client
-
-
-@pytest.fixture
-def propose(order, refunds, run_worker_inline):
-    def go(key="job-1", workflow="refund"):
-        services.submit(workflow, key, {"order_file": order}, submitted_by="alice")
-        run_worker_inline()
-        return Approval.objects.get(job_id=key, status=ApprovalStatus.REQUESTED)
-
-    return go
+def operator(operator):
+    """The shared operator (tests/conftest.py), who here may also approve proposals."""
+    operator.user.user_permissions.add(Permission.objects.get(codename="approve_proposal"))
+    return operator
 
 
 def proposal_url(approval):

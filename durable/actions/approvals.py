@@ -3,7 +3,7 @@
 An action step that needs approval does not go straight to the outbox. Its action is
 written as a *proposal* (destination, operation, values, the input version it was
 prepared from) beside a pending outbox row the dispatcher ignores, and a person
-approves the proposal's hash, not "the job" (``durable.outbox`` writes the proposal,
+approves the proposal's hash, not "the job" (``durable.actions.outbox`` writes the proposal,
 and checks it again just before the action is sent).
 
 Decisions (``approve``, ``reject``, ``prepare_again``) are services shared by the
@@ -26,7 +26,7 @@ from ..conf import durable_settings
 from ..core.identity import canonical_json, proposal_hash, version_text  # noqa: F401 - re-exported (see the comment above)
 from ..exceptions import DecisionForbidden, DecisionRefused, DurableError
 from ..models import Approval, ApprovalStatus, EventKind, Outbox, OutboxStatus
-from ..store import audit, locking
+from ..store import audit, locking, moves
 from . import kinds, reprepare
 from .proposals import CHANGED, MODEL_MESSAGE, PERMISSION, can_decide, close, is_person  # noqa: F401 - the API
 from .reprepare import context_for  # noqa: F401 - re-exported (see the comment above)
@@ -182,8 +182,7 @@ def prepare_again(approval_id, user, reason=""):
             job, target, expect=states.approval, actor=audit.actor(user), step=approval.step,
             kind=EventKind.APPROVAL, message=f"prepare again: {reason}".strip(": "),
             data={"approval": approval.pk, "verb": "prepare_again", "set_aside": stale},
-            fields={"next_run_at": Now(), "attempts": 0, "lease_until": None,
-                    "lease_owner": None},
+            move=moves.run_again(),
         )
         if not ok:
             raise DecisionRefused(f"Job {job.pk} moved while you were acting on it; reload.")

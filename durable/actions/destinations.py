@@ -438,6 +438,10 @@ class HttpDestination(Destination):
 # The registry ------------------------------------------------------------------------
 
 
+# Class paths settings written for earlier releases may name, and the class each is now.
+FORMER_PATHS = {"durable.dispatch.HttpDestination": HttpDestination}
+
+
 class Registry:
     """Destinations by name: registered in code, or built from DURABLE["DESTINATIONS"]."""
 
@@ -489,7 +493,7 @@ class Registry:
         options = {k.lower(): v for k, v in config.items() if k != "CLASS"}
         path = config.get("CLASS", "durable.destinations.HttpDestination")
         try:
-            cls = import_string(path)
+            cls = FORMER_PATHS[path] if path in FORMER_PATHS else import_string(path)
         except ImportError as exc:
             raise ImproperlyConfigured(f"Destination {name!r}: cannot import {path}: {exc}") from None
         try:

@@ -26,7 +26,7 @@ from ..core.retry import scrub
 from ..core.workflows import Action
 from ..exceptions import DecisionRefused, OperatorError
 from ..models import Approval, ApprovalStatus, EventKind, Outbox, OutboxStatus, StepResult
-from ..store import audit, locking
+from ..store import audit, locking, moves
 from . import reprepare
 from .proposals import close, is_person
 
@@ -76,6 +76,9 @@ class ActionKind:
     #: Whether the dispatcher records a confirmation and completes the step in one
     #: fenced write (``durable.store.action_rows.record_success``).
     confirms_in_one_write = True
+    #: Whether decisions land turn by turn: the job resumes when the last open proposal
+    #: of its turn is decided (an agent's tool calls), rather than with each decision.
+    turn_based = False
 
     def step_of_row(self, row, workflow):
         """(step, states) of the outbox row ``row`` of a job of ``workflow``."""
@@ -180,15 +183,11 @@ class StepAction(ActionKind):
         """
         job, row, states, table = ctx.job, ctx.row, ctx.states, ctx.table
         terminal = table.is_terminal(states.done)
-        fields = {"attempts": 0, "lease_until": None, "lease_owner": None, "wake_at": None,
-                  "next_run_at": None if terminal else Now(), "last_error": ""}
-        if terminal:
-            fields["result"] = memo
         # The claimed row or the Outbox instance carries them (written with the row).
         cost, duration, attempt = row.step_cost, row.step_duration, row.step_attempt
         ok = locking.transition(
             job, states.done, expect=job.state, actor=actor, step=row.kind, table=table, kind=kind,
-            message=scrub(message), fields=fields,
+            message=scrub(message), move=moves.step_done(terminal=terminal, result=memo),
             data={"action": row.id, "remote_id": memo["remote_id"], "cost": cost_text(cost),
                   **(data or {})},
         )
@@ -208,8 +207,7 @@ class StepAction(ActionKind):
         return locking.transition(
             job, ctx.states.failure, expect=job.state, actor=actor, step=row.kind, table=ctx.table,
             kind=kind, message=error, data={"action": row.id, **(data or {})},
-            fields={"next_run_at": None, "lease_until": None, "lease_owner": None,
-                    "last_error": error},
+            move=moves.hand_over(error=error),
         )
 
     def approve(self, approval, job, states, user, now, note):
@@ -227,7 +225,7 @@ class StepAction(ActionKind):
             step=approval.step, kind=EventKind.APPROVAL,
             message=f"approved: {note}".strip(": "),
             data={"approval": approval.pk, "hash": approval.proposal_hash, "verb": "approve"},
-            fields={"next_run_at": None, "lease_until": None, "lease_owner": None},
+            move=moves.hand_over(),
         )
         if not ok:
             raise DecisionRefused(f"Job {job.pk} moved while you were deciding; reload.")
@@ -250,8 +248,7 @@ class StepAction(ActionKind):
             job, target, expect=states.approval, actor=audit.actor(user), step=approval.step,
             kind=EventKind.APPROVAL, message=f"rejected: {reason}",
             data={"approval": approval.pk, "hash": approval.proposal_hash, "verb": "reject"},
-            fields={"next_run_at": None, "lease_until": None, "lease_owner": None,
-                    "last_error": f"proposal rejected: {reason}"},
+            move=moves.hand_over(error=f"proposal rejected: {reason}"),
         )
         if not ok:
             raise DecisionRefused(f"Job {job.pk} moved while you were deciding; reload.")
@@ -273,8 +270,7 @@ def _send_back(row, job, states, approval, status, why):
             message=f"not sent: {why}; preparing a new proposal for review{again}",
             data={"approval": approval.pk if approval else None, "outbox": row.pk,
                   "set_aside": stale},
-            fields={"next_run_at": Now(), "attempts": 0, "lease_until": None,
-                    "lease_owner": None, "last_error": f"not sent: {why}"},
+            move=moves.run_again(error=f"not sent: {why}"),
         )
         if moved:
             reprepare.carry_out(job, rerun)

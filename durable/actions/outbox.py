@@ -9,7 +9,7 @@ on (it calls nothing on the runner):
     Refused(exc)       the action is unusable: the step's retry policy classifies ``exc``
     Conflict(message)  an earlier, different action of this step is not settled
     Lost()             the lease was lost: nothing was written
-    Handed(message)    the job is in flight: the dispatcher (``durable.dispatch``) owns it
+    Handed(message)    the job is in flight: the dispatcher (``durable.engine.dispatch.loop``) owns it
     Proposed(message)  the job awaits approval of the proposal (``durable.approvals``)
 
 An action that needs approval is written as a *proposal* beside a row the dispatcher
@@ -17,7 +17,7 @@ ignores (``next_attempt_at`` NULL) until someone approves it; ``check_before_dis
 then verifies, just before sending, that what is sent is exactly what was approved
 from inputs that are still current. ``complete`` and ``fail`` settle the job once the
 action's outcome is known (the dispatcher and the operator verbs of
-``durable.reconcile`` call them).
+``durable.actions.reconcile`` call them).
 """
 
 import datetime
@@ -26,7 +26,6 @@ import logging
 from dataclasses import dataclass
 
 from django.db import transaction
-from django.db.models import F
 from django.db.models.functions import Now
 
 from .. import faults
@@ -52,7 +51,7 @@ from ..models import (
     Outbox,
     OutboxStatus,
 )
-from ..store import action_rows, locking
+from ..store import action_rows, locking, moves
 from . import destinations, kinds
 from .kinds import requires_approval
 from .proposals import close
@@ -139,15 +138,15 @@ def write_row(row, *, job_id, kind, destination, operation, values, params, key,
     fresh = {"destination": destination, "operation": operation, "payload": values,
              "params_hash": params, "idempotency_key": key, "status": OutboxStatus.PENDING,
              "attempts": 0, "lookups": 0, "next_attempt_at": Now() if due else None,
-             "lease_until": None, "lease_owner": None, "sent_at": None, "remote_id": "",
+             "sent_at": None, "remote_id": "",
              "response_summary": "", "last_error": "", **(step or {})}
     if step_key is not None:
         fresh["step_key"] = step_key
     if row is None:
         Outbox.objects.create(job_id=job_id, kind=kind, **fresh)
     else:
-        # The events keep what the old row said.
-        Outbox.objects.filter(pk=row.pk).update(**fresh, version=F("version") + 1, updated=Now())
+        # The events keep what the old row said; whoever held the old row loses it.
+        Outbox.objects.filter(pk=row.pk).decided(**fresh)
 
 
 # Enqueueing (called by the runner, under the job's lease) ---------------------------------
@@ -249,7 +248,7 @@ def _in_flight(started, draft, message, actor):
         claimed, started.states.in_flight, token=claimed.lease_token, actor=actor,
         step=started.step.name, table=started.table, kind=EventKind.ACTION, message=message,
         data=draft.data,
-        fields={"lease_until": None, "lease_owner": None, "next_run_at": None, "last_error": ""},
+        move=moves.hand_over(error=""),
     )
 
 
@@ -320,7 +319,7 @@ def _propose(started, draft, row, actor):
     ok = locking.transition(
         claimed, path, token=claimed.lease_token, actor=actor, step=st.name,
         table=started.table, kind=EventKind.APPROVAL, message=message, data=data,
-        fields={"lease_until": None, "lease_owner": None, "next_run_at": None, "last_error": ""},
+        move=moves.hand_over(error=""),
     )
     if not ok:
         return Lost()

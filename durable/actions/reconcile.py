@@ -9,7 +9,6 @@ changes), and records who decided and why in the job's history and Django's admi
 import logging
 
 from django.db import transaction
-from django.db.models import F
 from django.db.models.functions import Now
 
 from ..conf import durable_settings
@@ -18,7 +17,7 @@ from ..core.workflows import registry
 from ..exceptions import ActionChanged, DurableError, OperatorError
 from ..models import IN_DOUBT, UNSETTLED, EventKind, Job, JobEvent, Outbox, OutboxStatus
 from ..signals import job_finished
-from ..store import audit, locking
+from ..store import audit, locking, moves
 from . import destinations
 from .outbox import ActionContext, complete, step_of_row
 
@@ -105,22 +104,21 @@ def _record(ctx, user, verb, reason, seen, message=None):
     audit.admin_log(user, job, f"{verb} (action {row.pk}). {reason}".strip())
 
 
-def _move(ctx, to, user, verb, reason, seen, fields=None):
+def _move(ctx, to, user, verb, reason, seen, move=None):
     job = ctx.job
     if job.state == to:
         return
     ok = locking.transition(
         job, to, expect=job.state, actor=audit.actor(user), step=ctx.row.kind, table=ctx.table,
         kind=EventKind.OPERATOR, message=f"{verb}: {reason}".strip(": "),
-        data={"verb": verb, "action": ctx.row.pk, "version": seen}, fields=fields,
+        data={"verb": verb, "action": ctx.row.pk, "version": seen}, move=move,
     )
     if not ok:  # the job row is locked: this means a bug, not a race
         raise OperatorError(f"Job {job.pk} moved while you were acting on it; reload and retry")
 
 
 def _bump(row, **fields):
-    Outbox.objects.filter(pk=row.pk).update(version=F("version") + 1, updated=Now(),
-                                            lease_until=None, lease_owner=None, **fields)
+    Outbox.objects.filter(pk=row.pk).decided(**fields)
     row.refresh_from_db()
 
 
@@ -177,7 +175,7 @@ def mark_not_happened(action_id, *, version, user=None, reason=""):
               next_attempt_at=Now(), last_error="")
         _record(ctx, user, "mark not happened", reason, version)
         _move(ctx, ctx.states.in_flight, user, "mark not happened", reason, version,
-              fields={"last_error": ""})
+              move=moves.keep_lease(error=""))
         locking.notify(locking.OUTBOX_CHANNEL, ctx.job.pk)
     logger.info("%s marked action %s not happened; dispatching again with key %s",
                 audit.actor(user), action_id, ctx.row.idempotency_key)
@@ -202,9 +200,7 @@ def cancel_action(action_id, *, version, user=None, reason=""):
         error = f"action {note} by {who}" + (f": {reason}" if reason else "")
         _bump(row, status=OutboxStatus.CANCELLED, next_attempt_at=None, last_error=error)
         _record(ctx, user, "cancel action", reason, version)
-        _move(ctx, CANCELLED, user, "cancel action", reason, version, fields={
-            "next_run_at": None, "lease_until": None, "lease_owner": None, "last_error": error,
-        })
+        _move(ctx, CANCELLED, user, "cancel action", reason, version, move=moves.hand_over(error=error))
     logger.info("%s cancelled action %s: %s", who, action_id, error)
     return ctx.row
 

@@ -12,7 +12,17 @@ What users write is here (``from durable.agents import AgentWorkflow, tool``); t
 
 from .base import Divergence, DuplicateKey, Model, Tool, ToolError, agent_table, tool
 from .llm import ModelReply, ModelReplyInvalid, ToolCall
-from .workflow import AgentWorkflow
+
+
+def __getattr__(name):
+    # AgentWorkflow is loaded on first use: it runs through the outbox and the store, which
+    # load Django's models, and a process without Django settings (a receiver, a fake
+    # model server) imports this package for its model adapters alone.
+    if name == "AgentWorkflow":
+        from .workflow import AgentWorkflow
+
+        return AgentWorkflow
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "AgentWorkflow", "Divergence", "DuplicateKey", "Model", "ModelReply", "ModelReplyInvalid",

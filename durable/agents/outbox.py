@@ -17,7 +17,6 @@ import json
 from dataclasses import dataclass
 
 from django.db.models import Max
-from django.db.models.functions import Now
 
 from ..actions.kinds import ActionKind
 from ..actions.proposals import close, is_person
@@ -26,7 +25,7 @@ from ..core.retry import scrub
 from ..core.workflows import Retry
 from ..exceptions import OperatorError
 from ..models import Approval, ApprovalStatus, EventKind, JobEvent, MemoKind, Outbox, OutboxStatus, StepResult
-from ..store import audit, locking
+from ..store import audit, locking, moves
 from .base import ACTION_STATES, AWAITING_APPROVAL, IN_FLIGHT, PENDING, ToolError
 
 # A value read back is kept for the words "what changed" up to this size (its hash always).
@@ -79,8 +78,7 @@ def _resume(job, row, step_key, tool_name, output, *, actor, message, kind, data
     ok = locking.transition(
         job, PENDING, expect=job.state, actor=actor, step=step_key, table=table,
         kind=kind, message=scrub(message),
-        fields={"attempts": 0, "lease_until": None, "lease_owner": None, "wake_at": None,
-                "next_run_at": Now(), "last_error": ""},
+        move=moves.step_done(terminal=False),
         data={"action": row.id, **(data or {})},
     )
     if not ok:
@@ -269,9 +267,9 @@ def _set_aside(row, job, approval, tool, changes):
     words = "; ".join(changes)
     close(approval, ApprovalStatus.SUPERSEDED,
           f"set aside before sending: what it was prepared from changed since approval: {words}")
-    Outbox.objects.filter(pk=row.pk).update(
-        status=OutboxStatus.CANCELLED, next_attempt_at=None, lease_until=None, lease_owner=None,
-        last_error=f"not sent: what it was prepared from changed: {words}"[:4000], updated=Now())
+    Outbox.objects.filter(pk=row.pk).decided(
+        status=OutboxStatus.CANCELLED, next_attempt_at=None,
+        last_error=f"not sent: what it was prepared from changed: {words}"[:4000])
     row.status, row.next_attempt_at = OutboxStatus.CANCELLED, None
     output = {"status": "not_sent",
               "error": f"Not done: what this call was prepared from changed after it was approved"
@@ -321,8 +319,7 @@ def check_before_dispatch(row, job):
     if job.state == IN_FLIGHT:
         locking.transition(job, PENDING, expect=IN_FLIGHT, actor="durable", step=row.step_key,
                            kind=EventKind.APPROVAL, message=f"not sent: {why}; proposing again",
-                           fields={"next_run_at": Now(), "attempts": 0, "lease_until": None,
-                                   "lease_owner": None, "last_error": f"not sent: {why}"})
+                           move=moves.run_again(error=f"not sent: {why}"))
         locking.notify(locking.JOBS_CHANNEL, job.workflow)
     return False
 
@@ -343,8 +340,7 @@ def resume_when_decided(job, approval, user, message, data):
         ok = locking.transition(
             job, PENDING, expect=AWAITING_APPROVAL, actor=audit.actor(user), step=approval.step,
             kind=EventKind.APPROVAL, message=f"{message}; every proposal decided, resuming",
-            data=data, fields={"next_run_at": Now(), "attempts": 0, "lease_until": None,
-                               "lease_owner": None, "last_error": ""},
+            data=data, move=moves.run_again(error=""),
         )
         if not ok:
             raise OperatorError(f"Job {job.pk} moved while you were deciding; reload.")
@@ -370,6 +366,7 @@ class ToolCallAction(ActionKind):
     """
 
     confirms_in_one_write = False
+    turn_based = True
 
     def step_of_row(self, row, workflow):
         return step_of_row(row, workflow)

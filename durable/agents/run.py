@@ -294,7 +294,7 @@ class AgentContext:
     def attempt(self):
         return self._run.started.attempt
 
-    # What the waits (durable.inbox, durable.children) read of a context.
+    # What the waits (durable.steps.inbox, durable.steps.children) read of a context.
     step = "run"
 
     @property

@@ -1,6 +1,6 @@
 """An agent's action tools: proposals per tool call, the outbox, and the bounds an operator grants.
 
-An action tool's call is an action exactly as an action step's is (``durable.outbox``):
+An action tool's call is an action exactly as an action step's is (``durable.actions.outbox``):
 an outbox row written with the move to ``action_in_flight`` in one fenced transaction,
 marked attempted before it is sent, sent with a stable idempotency key bound to its
 values, and settled as succeeded, failed or unknown (then reconciled). The outcome
@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
 from django.db import transaction
-from django.db.models.functions import Now
 
 from ..actions import approvals
 from ..actions.outbox import validate, write_row
@@ -35,7 +34,7 @@ from ..core.states import CANCELLED
 from ..core.workflows import Action
 from ..exceptions import DecisionForbidden, DecisionRefused, LeaseLost, OperatorError
 from ..models import Approval, ApprovalStatus, EventKind, Job, JobEvent, MemoKind, Outbox, OutboxStatus, StepResult
-from ..store import audit, locking
+from ..store import audit, locking, moves
 from .base import (
     AWAITING_APPROVAL,
     IN_FLIGHT,
@@ -195,8 +194,7 @@ def _park_for_approval(run, drafts, turn, now):
             message=f"approval requested for {len(drafts)} tool calls of turn {turn}: {names}"[:4000],
             data={"turn": turn, "keys": [p.key for p in drafts],
                   "hashes": [p.digest for p in drafts]},
-            fields={"lease_until": None, "lease_owner": None, "next_run_at": None,
-                    "last_error": ""},
+            move=moves.hand_over(error=""),
         )
         if not ok:
             raise LeaseLost(f"lost the lease of job {claimed.id} before proposing")
@@ -285,7 +283,7 @@ def _send(run, planned, row, in_flight):
         table=run.workflow.table, kind=EventKind.ACTION, message=message[:4000],
         data={"phase": "enqueued", "key": planned.idempotency_key, "tool": planned.tool.name,
               "destination": planned.action.destination, "operation": planned.action.operation},
-        fields={"lease_until": None, "lease_owner": None, "next_run_at": None, "last_error": ""},
+        move=moves.hand_over(error=""),
     )
     if not ok:
         raise LeaseLost(f"lost the lease of job {claimed.id} before sending {planned.key}")
@@ -298,7 +296,7 @@ def _cancel(run, planned, approval):
             claimed, CANCELLED, token=claimed.lease_token, actor=run.seat.owner,
             step=planned.key, table=run.workflow.table, kind=EventKind.APPROVAL,
             message=f"{planned.tool.name} was rejected and cancels the job: {approval.note}",
-            fields={"lease_until": None, "lease_owner": None, "next_run_at": None},
+            move=moves.hand_over(),
         )
         if not ok:
             raise LeaseLost(f"lost the lease of job {claimed.id} before cancelling")
@@ -443,8 +441,7 @@ def grant(job_id, *, turns=0, budget=None, user=None, reason=""):
             raise OperatorError(f"Job {job.pk} is not an agent's: it has no turns or budget")
         if job.state != NEEDS_HUMAN:
             raise OperatorError(f"Job {job.pk} is {job.state}, not waiting for a human")
-        fields = {"attempts": 0, "next_run_at": Now(), "lease_until": None, "lease_owner": None,
-                  "last_error": ""}
+        fields = {}
         limit = job.turn_limit if job.turn_limit is not None else workflow.max_turns
         if more_turns:
             fields["turn_limit"] = (limit or 0) + more_turns
@@ -455,7 +452,8 @@ def grant(job_id, *, turns=0, budget=None, user=None, reason=""):
                 "turn_limit": fields.get("turn_limit", limit),
                 "budget_total": str(fields.get("budget", total))}
         ok = locking.transition(job, PENDING, actor=audit.actor(user), kind=EventKind.OPERATOR,
-                                message=f"grant: {reason}", data=data, fields=fields)
+                                message=f"grant: {reason}", data=data,
+                                move=moves.run_again(error="").setting(**fields))
         if not ok:
             raise OperatorError(f"Job {job.pk} moved while you were acting on it; reload")
         audit.admin_log(user, job, f"grant {more_turns} turns, {more_budget} budget. {reason}")

@@ -133,6 +133,8 @@ _TYPES = {
 
 
 def _check(value, schema, path, errors):
+    """Append to ``errors`` what keeps ``value`` from fitting ``schema``: null where allowed,
+    one of anyOf, the type, the enum, then each item of an array or each key of an object."""
     if value is None and schema.get("nullable"):
         return
     if "anyOf" in schema:
@@ -149,18 +151,24 @@ def _check(value, schema, path, errors):
         for index, item in enumerate(value):
             _check(item, schema["items"], f"{path}[{index}]", errors)
     if kind == "object":
-        properties = schema.get("properties")
-        if properties is not None:
-            for missing in [key for key in schema.get("required", []) if key not in value]:
-                errors.append(f"{path or 'arguments'}: missing required argument {missing!r}")
-            for key, item in value.items():
-                if key in properties:
-                    _check(item, properties[key], f"{path}.{key}" if path else key, errors)
-                elif schema.get("additionalProperties") is False:
-                    errors.append(f"{path or 'arguments'}: unexpected argument {key!r}")
-        elif isinstance(schema.get("additionalProperties"), dict):
-            for key, item in value.items():
-                _check(item, schema["additionalProperties"], f"{path}.{key}" if path else key, errors)
+        _check_object(value, schema, path, errors)
+
+
+def _check_object(value, schema, path, errors):
+    """An object with properties has the required keys, only those properties (when
+    additionalProperties is False) and fitting values; a map's values fit its value schema."""
+    properties = schema.get("properties")
+    if properties is not None:
+        for missing in [key for key in schema.get("required", []) if key not in value]:
+            errors.append(f"{path or 'arguments'}: missing required argument {missing!r}")
+        for key, item in value.items():
+            if key in properties:
+                _check(item, properties[key], f"{path}.{key}" if path else key, errors)
+            elif schema.get("additionalProperties") is False:
+                errors.append(f"{path or 'arguments'}: unexpected argument {key!r}")
+    elif isinstance(schema.get("additionalProperties"), dict):
+        for key, item in value.items():
+            _check(item, schema["additionalProperties"], f"{path}.{key}" if path else key, errors)
 
 
 def _errors(value, schema, path):

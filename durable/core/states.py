@@ -143,44 +143,59 @@ class TransitionTable:
 
     def validate(self, name="workflow"):
         """Raise ImproperlyConfigured naming the first bad edge or state."""
+        for problem in self._problems():
+            raise ImproperlyConfigured(f"Workflow {name!r}: {problem}")
+        return self
 
-        def bad(msg):
-            raise ImproperlyConfigured(f"Workflow {name!r}: {msg}")
+    def _problems(self):
+        """What is wrong with the table, one sentence each, in the order validate() checks it."""
+        yield from self._undeclared_states()
+        for st in self.steps:
+            yield from self._missing_step_edges(st)
+        yield from self._states_without_a_way_out()
+        yield from self._unreachable_states()
 
+    def _undeclared_states(self):
+        """The initial state and every edge's target are declared, and every state has a kind."""
         if self.initial not in self.edges:
-            bad(f"the initial state {self.initial!r} is not declared")
+            yield f"the initial state {self.initial!r} is not declared"
         for frm, targets in self.edges.items():
             if frm not in self.kinds:
-                bad(f"state {frm!r} has no kind")
+                yield f"state {frm!r} has no kind"
             for to in targets:
                 if to not in self.edges:
-                    bad(f"edge {frm} -> {to} points to an undeclared state {to!r}")
-        for st in self.steps:
-            # An action step is done when its action is confirmed, from in flight.
-            need = [(st.before, st.working), (st.in_flight or st.working, st.done),
-                    (st.working, st.failure)]
-            if st.failure != st.human:
-                need.append((st.failure, st.before))
-            for frm, to in need:
-                if to not in self.edges.get(frm, ()):
-                    bad(f"step {st.step!r} needs the edge {frm} -> {to}")
-            for waiting in (st.timer, st.signal, st.join):
-                if waiting and not (waiting in self.edges.get(st.working, ())
-                                    and st.working in self.edges.get(waiting, ())):
-                    bad(f"step {st.step!r} waits in {waiting!r} and needs the edges "
-                        f"{st.working} -> {waiting} -> {st.working}")
-            if st.before not in self.edges.get(st.working, ()):
-                bad(
-                    f"working state {st.working!r} has no retry edge back to {st.before!r}"
-                )
+                    yield f"edge {frm} -> {to} points to an undeclared state {to!r}"
+
+    def _missing_step_edges(self, st):
+        """A step can start, finish, fail, be requeued, wait and come back, and be retried."""
+        # An action step is done when its action is confirmed, from in flight.
+        need = [(st.before, st.working), (st.in_flight or st.working, st.done), (st.working, st.failure)]
+        if st.failure != st.human:
+            need.append((st.failure, st.before))
+        for frm, to in need:
+            if to not in self.edges.get(frm, ()):
+                yield f"step {st.step!r} needs the edge {frm} -> {to}"
+        for waiting in (st.timer, st.signal, st.join):
+            if waiting and not (waiting in self.edges.get(st.working, ())
+                                and st.working in self.edges.get(waiting, ())):
+                yield (f"step {st.step!r} waits in {waiting!r} and needs the edges "
+                       f"{st.working} -> {waiting} -> {st.working}")
+        if st.before not in self.edges.get(st.working, ()):
+            yield f"working state {st.working!r} has no retry edge back to {st.before!r}"
+
+    def _states_without_a_way_out(self):
+        """Only terminal states end a job: every other state (a failed one too) has an exit."""
         for state, kind in self.kinds.items():
             targets = self.edges.get(state, ())
             if kind == StateKind.TERMINAL and targets:
-                bad(f"terminal state {state!r} has outgoing edges {', '.join(targets)}")
+                yield f"terminal state {state!r} has outgoing edges {', '.join(targets)}"
             if kind != StateKind.TERMINAL and not targets:
-                bad(f"state {state!r} has no way out and is not terminal")
+                yield f"state {state!r} has no way out and is not terminal"
             if kind == StateKind.FAILED and not targets:
-                bad(f"failed state {state!r} has no requeue edge")
+                yield f"failed state {state!r} has no requeue edge"
+
+    def _unreachable_states(self):
+        """Every state but cancelled (reached from anywhere) is reachable from the initial state."""
         seen, todo = {self.initial}, deque([self.initial])
         while todo:
             for to in self.edges.get(todo.popleft(), ()):
@@ -189,8 +204,7 @@ class TransitionTable:
                     todo.append(to)
         unreachable = [s for s in self.edges if s not in seen and s != CANCELLED]
         if unreachable:
-            bad(f"state {unreachable[0]!r} is unreachable from {self.initial!r}")
-        return self
+            yield f"state {unreachable[0]!r} is unreachable from {self.initial!r}"
 
     def render(self):
         """The table as text, one state a line, in the style of DESIGN.md."""
@@ -239,104 +253,130 @@ def prepare_again_plan(table, st):
 
 
 def derive(steps):
-    """Build the table for ordered steps (each a ``durable.workflows.Step``)."""
-    edges: dict[str, list[str]] = {INITIAL: []}
-    kinds = {INITIAL: StateKind.INITIAL}
+    """Build the table for ordered steps (each a ``durable.core.workflows.Step``)."""
+    draft = _Draft()
     human_returns: list[str] = []
     # The starts a person may send a job back to from a later step's question: every
     # step's start since the last action step. Sending a job back past an action would
     # prepare a side effect that was already sent again, so no edge goes that far.
     fresh_starts: list[str] = []
     step_states = []
+    before = INITIAL
+    for index, st in enumerate(steps):
+        last = index == len(steps) - 1
+        states = _states_of(st, before)
+        step_states.append(states)
+        # Prepared again from current inputs: back to the first step the proposal was
+        # prepared from (see Step.prepared_from), or to this step's own start.
+        again = _prepare_again_from(st, step_states) or before
+        draft.add_step(st, states, again, last)
+        fresh_starts.append(before)
+        human_returns.extend(_human_return_targets(st, states, fresh_starts))
+        if st.action:
+            fresh_starts = []
+        if not last:
+            before = st.done
+    draft.add_ends(steps, human_returns)
+    ordered = _design_order(draft.edges, step_states)
+    return TransitionTable(
+        edges={s: tuple(draft.edges[s]) for s in ordered}, kinds=draft.kinds, steps=step_states
+    )
 
-    def add(frm, *tos):
-        lst = edges.setdefault(frm, [])
+
+def _states_of(st, before):
+    """The states step ``st`` (a ``durable.core.workflows.Step``) moves through, starting from ``before``."""
+    failure = NEEDS_HUMAN if st.needs_human and st.on_failure == "needs_human" else f"failed_{st.name}"
+    return StepStates(
+        step=st.name,
+        before=before,
+        working=st.working,
+        done=st.done,
+        failure=failure,
+        human=NEEDS_HUMAN if st.needs_human else None,
+        timer=f"waiting_{st.name}" if st.waits else None,
+        approval=f"awaiting_approval_{st.name}" if st.approval else None,
+        in_flight=f"in_flight_{st.name}" if st.action else None,
+        unknown=f"unknown_{st.name}" if st.action else None,
+        signal=f"awaiting_signal_{st.name}" if st.signals else None,
+        join=f"joining_{st.name}" if st.joins else None,
+    )
+
+
+def _working_exits(st, states):
+    """Where a step's working state leads, in the order the table lists them."""
+    outs = [s for s in (states.approval, states.in_flight) if s]
+    # An action step reaches done from working only when its action was confirmed
+    # earlier (the step was sent back past it): the recorded result is its memo.
+    outs.append(states.done)
+    outs.extend(s for s in (states.timer, states.signal, states.join) if s)
+    outs.append(states.failure)
+    if st.needs_human and states.failure != NEEDS_HUMAN:
+        outs.append(NEEDS_HUMAN)
+    outs.append(states.before)  # the retry edge
+    return outs
+
+
+def _human_return_targets(st, states, fresh_starts):
+    """The starts a person may send a job back to from step ``st``'s question (none if it asks none)."""
+    targets = []
+    if st.needs_human or (states.approval and st.on_reject == NEEDS_HUMAN):
+        # A person may send the job back to prepare again (after a rejection, too).
+        targets.append(states.before)
+    if st.needs_human:
+        # ... or to an earlier step's start, to fetch again (a re-fetch).
+        targets.extend(fresh_starts)
+    return targets
+
+
+class _Draft:
+    """The edges and kinds of a table being derived, kept in the order they are added:
+    the order is the one ``render`` shows and ``_design_order`` starts from."""
+
+    def __init__(self):
+        self.edges: dict[str, list[str]] = {INITIAL: []}
+        self.kinds = {INITIAL: StateKind.INITIAL}
+
+    def add(self, frm, *tos):
+        lst = self.edges.setdefault(frm, [])
         for to in tos:
             if to not in lst:
                 lst.append(to)
 
-    before = INITIAL
-    for index, st in enumerate(steps):
-        last = index == len(steps) - 1
-        failure = NEEDS_HUMAN if st.needs_human and st.on_failure == "needs_human" else f"failed_{st.name}"
-        states = StepStates(
-            step=st.name,
-            before=before,
-            working=st.working,
-            done=st.done,
-            failure=failure,
-            human=NEEDS_HUMAN if st.needs_human else None,
-            timer=f"waiting_{st.name}" if st.waits else None,
-            approval=f"awaiting_approval_{st.name}" if st.approval else None,
-            in_flight=f"in_flight_{st.name}" if st.action else None,
-            unknown=f"unknown_{st.name}" if st.action else None,
-            signal=f"awaiting_signal_{st.name}" if st.signals else None,
-            join=f"joining_{st.name}" if st.joins else None,
-        )
-        step_states.append(states)
-        add(before, st.working)
-        kinds[st.working] = StateKind.WORKING
-        outs = []
-        if states.approval:
-            outs.append(states.approval)
-        if states.in_flight:
-            outs.append(states.in_flight)
-        # An action step reaches done from working only when its action was confirmed
-        # earlier (the step was sent back past it): the recorded result is its memo.
-        outs.append(st.done)
-        for waiting in (states.timer, states.signal, states.join):
-            if waiting:
-                outs.append(waiting)
-        outs.append(failure)
-        if st.needs_human and failure != NEEDS_HUMAN:
-            outs.append(NEEDS_HUMAN)
-        outs.append(before)  # the retry edge
-        add(st.working, *outs)
+    def add_step(self, st, states, again, last):
+        """A step's states and edges: start, work, wait, approval, dispatch, failure, done."""
+        self.add(states.before, states.working)
+        self.kinds[states.working] = StateKind.WORKING
+        self.add(states.working, *_working_exits(st, states))
         for waiting, kind in ((states.timer, StateKind.TIMER), (states.signal, StateKind.SIGNAL),
                               (states.join, StateKind.JOIN)):
             if waiting:
                 # A waiting step runs again from the top when it is due; cancel is implicit.
-                add(waiting, st.working)
-                kinds[waiting] = kind
-        # Prepared again from current inputs: back to the first step the proposal was
-        # prepared from (see Step.prepared_from), or to this step's own start.
-        again = _prepare_again_from(st, step_states) or before
+                self.add(waiting, states.working)
+                self.kinds[waiting] = kind
         if states.approval:
             # approved -> dispatch; superseded -> prepare again from current inputs;
             # rejected -> where the step says (cancelled by default, or needs_human).
-            add(states.approval, states.in_flight, again, before, st.on_reject)
-            kinds[states.approval] = StateKind.APPROVAL
+            self.add(states.approval, states.in_flight, again, states.before, st.on_reject)
+            self.kinds[states.approval] = StateKind.APPROVAL
         if states.in_flight:
-            add(states.in_flight, st.done, failure, states.unknown, again, before)
-            add(states.unknown, st.done, states.in_flight, failure)
-            kinds[states.in_flight] = StateKind.IN_FLIGHT
-            kinds[states.unknown] = StateKind.UNKNOWN
-        if failure != NEEDS_HUMAN:
-            add(failure, before)  # the requeue edge
-            kinds[failure] = StateKind.FAILED
-        fresh_starts.append(before)
-        if st.needs_human or (states.approval and st.on_reject == NEEDS_HUMAN):
-            # A person may send the job back to prepare again (after a rejection, too).
-            human_returns.append(before)
-        if st.needs_human:
-            # ... or to an earlier step's start, to fetch again (a re-fetch).
-            human_returns.extend(fresh_starts)
-        if st.action:
-            fresh_starts = []
-        kinds[st.done] = StateKind.TERMINAL if last else StateKind.READY
-        edges.setdefault(st.done, [])
-        if not last:
-            before = st.done
-    if human_returns or any(s.approval and s.on_reject == NEEDS_HUMAN for s in steps):
-        add(NEEDS_HUMAN, *human_returns, CANCELLED)
-        kinds[NEEDS_HUMAN] = StateKind.HUMAN
-    edges[INITIAL].append(CANCELLED)
-    edges.setdefault(CANCELLED, [])
-    kinds[CANCELLED] = StateKind.TERMINAL
-    ordered = _design_order(edges, step_states)
-    return TransitionTable(
-        edges={s: tuple(edges[s]) for s in ordered}, kinds=kinds, steps=step_states
-    )
+            self.add(states.in_flight, states.done, states.failure, states.unknown, again, states.before)
+            self.add(states.unknown, states.done, states.in_flight, states.failure)
+            self.kinds[states.in_flight] = StateKind.IN_FLIGHT
+            self.kinds[states.unknown] = StateKind.UNKNOWN
+        if states.failure != NEEDS_HUMAN:
+            self.add(states.failure, states.before)  # the requeue edge
+            self.kinds[states.failure] = StateKind.FAILED
+        self.kinds[states.done] = StateKind.TERMINAL if last else StateKind.READY
+        self.edges.setdefault(states.done, [])
+
+    def add_ends(self, steps, human_returns):
+        """needs_human (when a step asks a person or a rejection goes to one) and cancelled."""
+        if human_returns or any(s.approval and s.on_reject == NEEDS_HUMAN for s in steps):
+            self.add(NEEDS_HUMAN, *human_returns, CANCELLED)
+            self.kinds[NEEDS_HUMAN] = StateKind.HUMAN
+        self.edges[INITIAL].append(CANCELLED)
+        self.edges.setdefault(CANCELLED, [])
+        self.kinds[CANCELLED] = StateKind.TERMINAL
 
 
 def _design_order(edges, step_states):

@@ -60,7 +60,7 @@ class Step:
     # ctx.wait_for() parks in awaiting_signal_<step>; ctx.join() parks in joining_<step>.
     signals: bool = False
     joins: bool = False
-    # Actions (see durable.dispatch): the step returns an Action instead of doing it.
+    # Actions (see durable.engine.dispatch.loop): the step returns an Action instead of doing it.
     action: bool = False
     approval: object = False  # True, or a predicate(action, ctx) -> bool
     approval_expiry: float | None = None
@@ -203,7 +203,7 @@ class Workflow:
 
         The cost is what the step recorded with ``ctx.cost()`` plus its ``Output``'s cost.
         The runner and replay both call steps this way. An ``async def`` step's coroutine
-        runs on the process's event loop while this thread waits (see ``durable.aio``).
+        runs on the process's event loop while this thread waits (see ``durable.core.aio``).
         """
         returned = self.run_step(st, data, ctx)
         if inspect.iscoroutine(returned):

@@ -35,7 +35,7 @@ class Presence(threading.Thread):
     """Publishes this process's row on a heartbeat, until ``stop()`` deletes it.
 
     ``start()`` runs the heartbeat on a thread of its own; a process that must not start
-    threads (the supervisor: see ``durable.supervisor``) calls ``tick()`` from its loop.
+    threads (the supervisor: see ``durable.engine.supervisor``) calls ``tick()`` from its loop.
     """
 
     def __init__(self, role, *, name="", parent="", info=None, activity=None, draining=None,

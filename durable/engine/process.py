@@ -1,6 +1,6 @@
 """What the worker and the dispatcher loops share: signals, idle waits, connections, names.
 
-Both long-running loops (``durable.worker.Worker``, ``durable.dispatch.Dispatcher``) are a
+Both long-running loops (``durable.engine.worker.Worker``, ``durable.engine.dispatch.loop.Dispatcher``) are a
 ``Drains`` with a ``Waiter``: they claim work from the store, and when there is none
 they sleep in ``Waiter.wait()`` until a NOTIFY on their channel (PostgreSQL), a commit
 by another connection (SQLite's ``data_version``) or the earliest due time. Neither loop
@@ -8,7 +8,7 @@ imports the other; each imports this module.
 
 To add another loop (a scheduler, say): subclass ``Drains`` (set ``name`` and
 ``draining_message``, implement an idempotent ``stop()``), give it a ``Waiter`` subclass
-whose ``channel`` is its NOTIFY channel (a constant in ``durable.locking``) and whose
+whose ``channel`` is its NOTIFY channel (a constant in ``durable.store.locking``) and whose
 ``seconds_until_due()`` reads its own due time from the store, call
 ``keep_connections_healthy()`` before each claim and
 ``recover_from_database_error(exc, failures, waiter)`` when the database goes away.
@@ -30,7 +30,7 @@ from django.db import connection, connections
 from django.db.utils import DatabaseError
 
 from ..conf import durable_settings
-from ..store import locking
+from ..store import database, locking
 
 # The loops' own logger names, kept when this code moved here: LOGGING configs name them.
 logger = logging.getLogger("durable.worker")
@@ -111,7 +111,7 @@ class Waiter:
             timeout = max(0.0, min(timeout, until))
         if timeout <= 0:
             return
-        if connection.vendor == "postgresql" and durable_settings.LISTEN:
+        if database.of(connection).notifies and durable_settings.LISTEN:
             try:
                 conn = self._listen_connection()
                 deadline = time.monotonic() + timeout
@@ -130,7 +130,7 @@ class Waiter:
                 self.close()
             finally:
                 self._give_turn()
-        if connection.vendor == "sqlite":
+        if database.of(connection).counts_commits:
             self._wait_sqlite(timeout, stopping)
         else:
             self._sleep(timeout, stopping)
@@ -163,10 +163,10 @@ class Waiter:
         step = durable_settings.SQLITE_WAKE_INTERVAL
         deadline = time.monotonic() + timeout
         with connection.cursor() as cursor:
-            seen = locking.sqlite_data_version(cursor)
+            seen = database.of(connection).data_version(cursor)
             while time.monotonic() < deadline and not stopping():
                 time.sleep(step)
-                if locking.sqlite_data_version(cursor) != seen:
+                if database.of(connection).data_version(cursor) != seen:
                     return
 
     def _sleep(self, timeout, stopping):

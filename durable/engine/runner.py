@@ -32,7 +32,7 @@ from ..exceptions import LeaseLost, UnknownWorkflow
 from ..models import EventKind, StepResult
 from ..signals import job_finished, step_finished, step_started
 from ..steps.context import Context
-from ..store import locking
+from ..store import locking, moves
 
 logger = logging.getLogger("durable.worker")
 
@@ -65,7 +65,7 @@ class Runner:
         # Claim the next job in the transaction that finishes the last one: a job then
         # costs one commit per step and nothing more.
         self.chain = chain
-        # The drain flag (durable.process.Drains): a worker's runners share its one flag.
+        # The drain flag (durable.engine.process.Drains): a worker's runners share its one flag.
         self.drain = drain or threading.Event()
         self._starts = None
         self._starts_generation = None
@@ -135,7 +135,7 @@ class Runner:
             ok = locking.transition(
                 claimed, states.working, token=token, actor=self.owner, step=step.name,
                 kind=EventKind.CLAIMED, message=f"attempt {attempt}", table=table,
-                fields={"attempts": attempt},
+                move=moves.keep_lease(attempts=attempt),
             )
         elif kind in RESUMING_KINDS:
             states = table.step_of(claimed.state)
@@ -144,7 +144,7 @@ class Runner:
             ok = locking.transition(
                 claimed, states.working, token=token, actor=self.owner, step=step.name,
                 kind=EventKind.CLAIMED, message=WOKEN[kind], table=table,
-                fields={"attempts": attempt},
+                move=moves.keep_lease(attempts=attempt),
             )
         elif kind == StateKind.WORKING:
             # The previous holder's lease expired mid-step: it died, stalled or was
@@ -414,8 +414,7 @@ class Runner:
                 started.claimed, states.timer, token=started.claimed.lease_token,
                 actor=self.owner, step=started.step.name, table=started.table,
                 message=f"waiting until {until.isoformat()}",
-                fields={"next_run_at": until, "wake_at": until, "lease_until": None,
-                        "lease_owner": None},
+                move=moves.wait_until(until, wake_at=until),
             )
         if not ok:
             self.lost(started)
@@ -447,8 +446,7 @@ class Runner:
                 started.claimed, state, token=started.claimed.lease_token, actor=self.owner,
                 step=started.step.name, table=started.table,
                 message=f"waiting for {what}" + (f" until {until.isoformat()}" if until else ""),
-                fields={"next_run_at": until, "lease_until": None, "lease_owner": None,
-                        "awaiting": waiting.key},
+                move=moves.wait_until(until, awaiting=waiting.key),
             )
             if ok:
                 park(started.claimed, waiting)
@@ -485,8 +483,7 @@ class Runner:
                 step=started.step.name, table=started.table, kind=EventKind.RETRY,
                 message=error, data={**(details or {}), "attempt": started.attempt,
                                      "delay": round(delay, 3), "reason": reason},
-                fields={"next_run_at": locking.now_plus(delay), "lease_until": None,
-                        "lease_owner": None, "last_error": error},
+                move=moves.retry_at(locking.now_plus(delay), error=error),
             )
         if not ok:
             self.lost(started)
@@ -505,8 +502,7 @@ class Runner:
                 claimed, states.failure, token=claimed.lease_token, actor=actor or self.owner,
                 step=states.step, table=table, kind=kind, message=error,
                 data={**(details or {}), "attempt": attempt},
-                fields={"next_run_at": None, "lease_until": None, "lease_owner": None,
-                        "last_error": error},
+                move=moves.hand_over(error=error),
             )
         if ok:
             logger.error("%s job=%s step=%s failed -> %s: %s", actor or self.owner, claimed.id,
@@ -519,8 +515,7 @@ class Runner:
             ok = locking.transition(
                 claimed, state, token=claimed.lease_token, actor=self.owner,
                 step=started.step.name, table=started.table, kind=kind, message=message,
-                fields={"next_run_at": None, "lease_until": None, "lease_owner": None,
-                        "last_error": message},
+                move=moves.hand_over(error=message),
             )
         if not ok:
             self.lost(started)
@@ -552,7 +547,7 @@ class Runner:
         Fenced by the lease token like every write of this runner: the transition
         clears the lease, so the step thread's own commit, if it ever returns, is
         refused, and another worker (or another thread of this one) may take the job.
-        The heartbeat then abandons the thread (see ``durable.worker``).
+        The heartbeat then abandons the thread (see ``durable.engine.worker``).
         """
         from ..exceptions import StepTimeout
 

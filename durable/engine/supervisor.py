@@ -190,8 +190,10 @@ class Supervisor:
         # Idle workers take turns listening for new jobs (see process.Waiter): one
         # wake-up per job instead of every idle process racing for it.
         self.listen_turns = None
-        if (workers and not burst and self.processes > 1
-                and connections["default"].vendor == "postgresql" and durable_settings.LISTEN):
+        from ..store import database  # here: _watch_parent runs without Django, the store loads models
+
+        if (workers and not burst and self.processes > 1 and durable_settings.LISTEN
+                and database.of(connections["default"]).notifies):
             fd, self.listen_turns = tempfile.mkstemp(prefix="durable-listen-", suffix=".lock")
             os.close(fd)
         # A burst's children wait for work until the supervisor ends the burst (see Burst):
@@ -222,8 +224,10 @@ class Supervisor:
 
     def _check_connection_budget(self):
         """Warn when the worker threads would hold more PostgreSQL connections than the server allows."""
+        from ..store import database
+
         conn = connections["default"]
-        if conn.vendor != "postgresql":
+        if not database.of(conn).limits_connections:
             return
         # A thread's connection each, plus the lease renewal and LISTEN of each process.
         wanted = self.processes * (self.threads + 2)
@@ -350,40 +354,12 @@ class Supervisor:
                                        "burst": self.burst},
                                  activity=self.activity, draining=lambda: self._stopping)
         self.presence.tick()
-        slots = []
         for role, count, options in self.roles:
             for index in range(count):
-                slot = (role, index, _freeze(options))
-                slots.append(slot)
                 if not self._stopping:
-                    self._spawn(slot)
+                    self._spawn((role, index, _freeze(options)))
         self._announce()
-        deadline = None
-        while self.children:
-            time.sleep(0.1)
-            self.presence.tick()
-            if self.run_burst is not None and not self._stopping and self.run_burst.over():
-                self.stop()
-            if self._stopping and deadline is None:
-                deadline = time.monotonic() + self.grace
-            if deadline is not None and time.monotonic() > deadline:
-                logger.warning("grace period over: killing remaining children")
-                self._kill_all()
-                deadline = float("inf")
-            if self._kill_at is not None and time.monotonic() > self._kill_at:
-                logger.warning("children still running %ss after the second signal: killing them",
-                               FORCE_SECONDS)
-                self._kill_all()
-                self._kill_at = float("inf")
-            for slot, proc in list(self.children.items()):
-                if proc.is_alive():
-                    continue
-                proc.join()
-                del self.children[slot]
-                code = proc.exitcode
-                if self._stopping or (self.burst and code == 0):
-                    continue
-                self._restart(slot, code)
+        self._watch_children()
         self.presence.stop()
         logger.info("supervisor exiting")
         if self.run_burst is not None and self.run_burst.began is not None:
@@ -398,6 +374,34 @@ class Supervisor:
             with contextlib.suppress(OSError):
                 os.unlink(self.listen_turns)
         return 0
+
+    def _watch_children(self):
+        """Until no child is left: beat, end a finished burst, kill past the deadlines, replace the dead."""
+        deadline = None
+        while self.children:
+            time.sleep(0.1)
+            self.presence.tick()
+            if self.run_burst is not None and not self._stopping and self.run_burst.over():
+                self.stop()
+            if self._stopping and deadline is None:
+                deadline = time.monotonic() + self.grace
+            if deadline is not None and time.monotonic() > deadline:
+                logger.warning("grace period over: killing remaining children")
+                self._kill_all()
+                deadline = float("inf")
+            if self._kill_at is not None and time.monotonic() > self._kill_at:
+                logger.warning("children still running %ss after the second signal: killing them", FORCE_SECONDS)
+                self._kill_all()
+                self._kill_at = float("inf")
+            for slot, proc in list(self.children.items()):
+                if proc.is_alive():
+                    continue
+                proc.join()
+                del self.children[slot]
+                code = proc.exitcode
+                if self._stopping or (self.burst and code == 0):
+                    continue
+                self._restart(slot, code)
 
     def _restart(self, slot, code):
         from .worker import EXIT_LEASE_UNRENEWABLE, EXIT_STEP_TIMEOUT, EXIT_THREADS_ABANDONED

@@ -82,7 +82,7 @@ class Heartbeat(threading.Thread):
     from this process, so none of its steps could commit anyway).
 
     A step past its timeout: an ``async def`` step's coroutine is cancelled (the step
-    thread records the failure itself, see ``durable.aio``); a plain function cannot be
+    thread records the failure itself, see ``durable.core.aio``); a plain function cannot be
     stopped, so its failure is recorded (fenced) as retryable from another thread, its
     thread is abandoned, and ``on_abandoned`` decides what happens to the process. Without
     it (one thread per process) the process exits, to be replaced.

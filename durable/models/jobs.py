@@ -1,7 +1,8 @@
 """Jobs, memos, actions, pauses, signals, waits and the event log.
 
-Nothing here assigns ``Job.state``: ``durable.locking`` is its only writer (``insert_job``,
-``claim_job``, ``complete_step`` and ``transition``).
+Nothing here assigns ``Job.state``: the store (``durable.store``) is its only writer
+(``locking``'s ``insert_job``, ``claim_job``, ``complete_step`` and ``transition``, and
+``action_rows.record_success``).
 """
 
 import datetime
@@ -209,7 +210,7 @@ class CostRollup(models.Model):
 class CostMinute(models.Model):
     """Money spent per minute, workflow and step: the memos rolled up, and runs without one.
 
-    ``durable.memos.roll_up`` adds the memos of every minute that has closed (with a
+    ``durable.store.memos.roll_up`` adds the memos of every minute that has closed (with a
     margin for transactions still committing) and moves ``CostMark`` forward; the
     dashboard and the cost report read these rows up to the mark and the memos after
     it, so a day of millions of memos is summed from a few thousand rows. Money spent
@@ -254,7 +255,7 @@ class CostMark(models.Model):
 class MoveMinute(models.Model):
     """Jobs that moved from one state to another per minute and workflow: the event log rolled up.
 
-    ``durable.rollups`` adds the events of every closed minute (as the cost roll-up does
+    ``durable.store.rollups`` adds the events of every closed minute (as the cost roll-up does
     for memos; mark: ``CostMark.moves_through``) and keeps the dashboard's longest window. The dashboard's trend
     ("from N, 15 minutes ago") reads these rows and the events after the mark, instead
     of every event of the window with its job.
@@ -317,8 +318,12 @@ class OutboxQuerySet(models.QuerySet):
 
     def park(self, why):
         """Leave these rows for a person: not due, no lease, with the reason."""
-        return self.update(next_attempt_at=None, lease_until=None, lease_owner=None,
-                           last_error=why, version=F("version") + 1, updated=Now())
+        return self.decided(next_attempt_at=None, last_error=why)
+
+    def decided(self, **fields):
+        """Write a decision on these rows (``fields``): whoever held them loses the lease, the version moves on."""
+        return self.update(lease_until=None, lease_owner=None, version=F("version") + 1, updated=Now(),
+                           **fields)
 
     def unsettled(self):
         """Actions not settled yet (``UNSETTLED``): pending, attempted or unknown."""

@@ -1,7 +1,7 @@
 """The schedules' rows: where each declared schedule stands, and its decisions.
 
 Models of the ``durable`` app like those of ``durable.models``, which imports them (use
-them from there); ``durable.schedules`` reads and writes them.
+them from there); ``durable.schedules.firing`` reads and writes them.
 """
 
 from django.core.serializers.json import DjangoJSONEncoder

@@ -1,7 +1,7 @@
 """The processes that run: one row per worker, dispatcher or supervisor process.
 
 Models of the ``durable`` app like those of ``durable.models``, which imports them (use
-them from there); ``durable.presence`` writes them on each process's heartbeat and the
+them from there); ``durable.engine.presence`` writes them on each process's heartbeat and the
 console's workers page reads them.
 """
 

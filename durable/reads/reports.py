@@ -8,10 +8,10 @@ Ages follow the first article: a job's age is the time since its row last change
 (``now - updated``), which is the time since it entered its state or was last claimed.
 
 Every query here is bounded by an index, whatever the size of the tables: see
-``where_is_everything`` for the counts, ``durable.rollups`` for the trend and the
+``where_is_everything`` for the counts, ``durable.store.rollups`` for the trend and the
 costs (rolled up on the write side: reading a page never writes). The failure groups
-(``durable.failures``), the alerts (``durable.alerts``) and the scopes
-(``durable.scopes``) are importable from here as well.
+(``durable.reads.failures``), the alerts (``durable.reads.alerts``) and the scopes
+(``durable.reads.scopes``) are importable from here as well.
 """
 
 import datetime
@@ -24,7 +24,7 @@ from django.db.models import Avg, Case, Count, Max, Min, Q, Sum, When
 from ..core.states import StateKind
 from ..core.workflows import registry
 from ..models import CostRollup, EventKind, Job, JobEvent, Pause, StepResult
-from ..store import locking, rollups
+from ..store import database, locking, rollups
 from ..store.memos import spent
 from .alerts import Alert, alerts, oldest_unfinished, schedule_alerts  # noqa: F401 - the API
 from .failures import (  # noqa: F401 - the API
@@ -132,7 +132,7 @@ def where_is_everything(*, now=None, window=DEFAULT_WINDOW, workflow=None):
       a million of them buys nothing; small ones are counted exactly;
     - the counts at the start of the window are the counts now minus the moves into
       each state since then (creations included), plus the moves out of it: per
-      minute from ``durable.rollups``, and from the event log for the minute the
+      minute from ``durable.store.rollups``, and from the event log for the minute the
       window starts in and the minutes not rolled up yet.
 
     A state is *stalled* when its count and its average age both rose over the window
@@ -281,22 +281,7 @@ def estimated_rows(model, where="", params=()):
     PostgreSQL only: the estimate comes from the statistics ANALYZE (and autovacuum)
     keep. SQLite has no such estimate; callers count exactly there, or up to a bound.
     """
-    if connection.vendor != "postgresql":
-        return None
-    table = connection.ops.quote_name(model._meta.db_table)
-    with connection.cursor() as cursor:
-        if not where:
-            cursor.execute("SELECT reltuples::bigint FROM pg_class WHERE oid = %s::regclass",
-                           [model._meta.db_table])
-            row = cursor.fetchone()
-            return int(row[0]) if row and row[0] is not None and row[0] >= 0 else None
-        cursor.execute(f"EXPLAIN (FORMAT JSON) SELECT 1 FROM {table} WHERE {where}", list(params))
-        plan = cursor.fetchone()[0]
-    if isinstance(plan, str):
-        import json
-
-        plan = json.loads(plan)
-    return int(plan[0]["Plan"]["Plan Rows"])
+    return database.of(connection).estimated_count(model, where, params)
 
 
 def count_up_to(queryset, bound):
@@ -368,7 +353,7 @@ def cost_per_step(*, now=None, window=COST_WINDOW, workflow=None):
     """Count, total and mean cost of the steps run in the window, per workflow and step.
 
     The article's query 4. Money is Decimal throughout. Read from the per-minute
-    rollups and the memos since (``durable.memos.spent``): whole minutes, so the window
+    rollups and the memos since (``durable.store.memos.spent``): whole minutes, so the window
     starts at the minute ``now - window`` falls in. Replay previews count too.
     """
     now = now or locking.db_now()
@@ -385,7 +370,7 @@ def cost_per_step(*, now=None, window=COST_WINDOW, workflow=None):
 def cost_by_day(start, end, *, by="step", workflow=None):
     """Cost per day for each step (or workflow) of the steps run in ``[start, end)``.
 
-    Read from the per-minute rollups and the memos since (``durable.memos.spent``),
+    Read from the per-minute rollups and the memos since (``durable.store.memos.spent``),
     plus the daily rollups that purge kept of memos deleted before per-minute rollups
     existed (whole days only). Replay previews count too.
 

@@ -10,7 +10,8 @@ from django.db.models import Exists, FloatField, Func, OuterRef, Q
 
 from ..core.states import StateKind
 from ..core.workflows import registry
-from ..models import Approval, ApprovalStatus, Job
+from ..models import Approval, ApprovalStatus
+from ..store import database
 
 
 def states_of_kind(*kinds, workflow=None):
@@ -71,33 +72,7 @@ def state_pairs():
     SQLite, whose planner scans the whole index for that query's row comparison, is
     asked pair by pair (each question one probe, answered in microseconds).
     """
-    table = connection.ops.quote_name(Job._meta.db_table)
-    with connection.cursor() as cursor:
-        if connection.vendor == "postgresql":
-            nxt = (f"FROM {table} j WHERE (j.workflow, j.state) > (t.workflow, t.state)"
-                   " ORDER BY j.workflow, j.state LIMIT 1")
-            cursor.execute(
-                "WITH RECURSIVE t(workflow, state) AS ("
-                f" SELECT * FROM (SELECT workflow, state FROM {table} ORDER BY workflow, state LIMIT 1) f"
-                f" UNION ALL SELECT (SELECT j.workflow {nxt}), (SELECT j.state {nxt})"
-                " FROM t WHERE t.workflow IS NOT NULL"
-                ") SELECT workflow, state FROM t WHERE workflow IS NOT NULL"
-            )
-            return [tuple(r) for r in cursor.fetchall()]
-        pairs = []
-        cursor.execute(f"SELECT workflow, state FROM {table} ORDER BY workflow, state LIMIT 1")
-        row = cursor.fetchone()
-        while row is not None:
-            pairs.append(tuple(row))
-            workflow, state = row
-            cursor.execute(f"SELECT workflow, state FROM {table} WHERE workflow = %s AND state > %s"
-                           " ORDER BY workflow, state LIMIT 1", [workflow, state])
-            row = cursor.fetchone()
-            if row is None:
-                cursor.execute(f"SELECT workflow, state FROM {table} WHERE workflow > %s"
-                               " ORDER BY workflow, state LIMIT 1", [workflow])
-                row = cursor.fetchone()
-        return pairs
+    return database.of(connection).state_pairs(connection)
 
 
 
@@ -129,9 +104,4 @@ class Epoch(Func):
 
     def as_sql(self, compiler, conn, **extra):
         sql, params = compiler.compile(self.source_expressions[0])
-        if conn.vendor == "postgresql":
-            # date_part is double precision; EXTRACT is numeric, many times slower to sum.
-            return f"date_part('epoch', {sql})", params
-        if conn.vendor == "sqlite":
-            return f"((julianday({sql}) - 2440587.5) * 86400.0)", params
-        return f"UNIX_TIMESTAMP({sql})", params  # MySQL / MariaDB
+        return database.of(conn).epoch(sql), params

@@ -18,7 +18,7 @@ multiples of itself since 1970-01-01 UTC, so every process computes the same tic
 
 ``plan()`` decides what one pass of the firer does with the ticks that fell due: which
 run, which were missed (downtime), which are skipped or queued (overlap). The firer in
-``durable.schedules`` applies the plan under a row lock. A pass that comes late finds
+``durable.schedules.firing`` applies the plan under a row lock. A pass that comes late finds
 several ticks due at once; each is judged against the runs that were going at its own
 time, not against the run the pass itself starts for an earlier one.
 """
@@ -78,50 +78,69 @@ class Schedule:
         return bound
 
     def validate(self, where):
-        def bad(message):
-            raise ImproperlyConfigured(f"Schedule {where}: {message}")
+        """Raise ImproperlyConfigured naming the first thing wrong with the declaration."""
+        for problem in self._problems():
+            raise ImproperlyConfigured(f"Schedule {where}: {problem}")
 
+    def _problems(self):
+        """What is wrong with the declaration, one sentence each, in the order validate() checks it."""
         if not isinstance(self.name, str) or not self.name or len(self.name) > NAME_MAX:
-            bad(f"the name must be a non-empty string of at most {NAME_MAX} characters")
-        if (self.cron is None) == (self.every is None):
-            bad("declare exactly one of cron= (an expression) or every= (seconds)")
-        if self.cron is not None:
-            if not isinstance(self.cron, str):
-                bad(f"cron must be a string, not {self.cron!r}")
-            from cronsim import CronSim, CronSimError
+            yield f"the name must be a non-empty string of at most {NAME_MAX} characters"
+        yield from self._when_problems()
+        yield from self._policy_problems()
+        yield from self._payload_problems()
+        if bool(self.workflow) == bool(self.task):
+            yield "it must run exactly one workflow or one task"
 
-            try:
-                CronSim(self.cron, datetime.datetime(2000, 1, 1, tzinfo=UTC))
-            except CronSimError as exc:
-                bad(f"the cron expression {self.cron!r} is not valid ({exc})")
-        else:
-            seconds = self.interval_seconds
-            if seconds is None:
-                bad(f"every must be a whole number of seconds of at least 1, not {self.every!r}")
+    def _when_problems(self):
+        """Exactly one of a valid cron expression or a whole interval, read in an IANA zone."""
+        if (self.cron is None) == (self.every is None):
+            yield "declare exactly one of cron= (an expression) or every= (seconds)"
+        elif self.cron is not None:
+            yield from self._cron_problems()
+        elif self.interval_seconds is None:
+            yield f"every must be a whole number of seconds of at least 1, not {self.every!r}"
         try:
             self.zone  # noqa: B018 - validates the zone name
         except (zoneinfo.ZoneInfoNotFoundError, ValueError, TypeError):
-            bad(f"the time zone {self.timezone!r} is not an IANA zone name such as 'Europe/Berlin'")
+            yield f"the time zone {self.timezone!r} is not an IANA zone name such as 'Europe/Berlin'"
+
+    def _cron_problems(self):
+        """The cron expression is a string cronsim can read."""
+        if not isinstance(self.cron, str):
+            yield f"cron must be a string, not {self.cron!r}"
+            return
+        from cronsim import CronSim, CronSimError
+
+        try:
+            CronSim(self.cron, datetime.datetime(2000, 1, 1, tzinfo=UTC))
+        except CronSimError as exc:
+            yield f"the cron expression {self.cron!r} is not valid ({exc})"
+
+    def _policy_problems(self):
+        """catch_up and overlap are known and compatible; max_catch_up and grace are in range."""
         if self.catch_up not in CATCH_UP:
-            bad(f"catch_up must be one of {', '.join(CATCH_UP)}, not {self.catch_up!r}")
+            yield f"catch_up must be one of {', '.join(CATCH_UP)}, not {self.catch_up!r}"
         if self.overlap not in OVERLAP:
-            bad(f"overlap must be one of {', '.join(OVERLAP)}, not {self.overlap!r}")
+            yield f"overlap must be one of {', '.join(OVERLAP)}, not {self.overlap!r}"
         if self.catch_up == "all" and self.overlap == "skip":
-            bad("catch_up='all' runs every missed tick, but overlap='skip' allows one run at a"
-                " time and would skip them: choose overlap='queue' (one after another) or"
-                " 'allow' (side by side)")
+            yield ("catch_up='all' runs every missed tick, but overlap='skip' allows one run at a"
+                   " time and would skip them: choose overlap='queue' (one after another) or"
+                   " 'allow' (side by side)")
         if not _whole(self.max_catch_up) or self.max_catch_up < 1:
-            bad(f"max_catch_up must be a whole number of at least 1, not {self.max_catch_up!r}")
+            yield f"max_catch_up must be a whole number of at least 1, not {self.max_catch_up!r}"
         if isinstance(self.grace, bool) or not isinstance(self.grace, int | float) or not self.grace >= 0:
-            bad(f"grace must be a number of seconds, not {self.grace!r}")
+            yield f"grace must be a number of seconds, not {self.grace!r}"
+
+    def _payload_problems(self):
+        """The payload is a dict that JSON can hold (no NaN, no objects)."""
         if not isinstance(self.payload, dict):
-            bad(f"the payload must be a dict, not {type(self.payload).__name__}")
+            yield f"the payload must be a dict, not {type(self.payload).__name__}"
+            return
         try:
             json.dumps(self.payload, allow_nan=False)
         except (TypeError, ValueError) as exc:
-            bad(f"the payload is not JSON: {exc}")
-        if bool(self.workflow) == bool(self.task):
-            bad("it must run exactly one workflow or one task")
+            yield f"the payload is not JSON: {exc}"
 
     @property
     def zone(self):

@@ -1,8 +1,8 @@
 """What a step sees of its job: ``ctx``, passed to every step function.
 
 Ids, the attempt, earlier memos, the cost it records, durable timers, and the waits:
-``ctx.wait_for`` reads the job's inbox (``durable.inbox``); ``ctx.spawn`` and
-``ctx.join`` submit and join child jobs (``durable.children``).
+``ctx.wait_for`` reads the job's inbox (``durable.steps.inbox``); ``ctx.spawn`` and
+``ctx.join`` submit and join child jobs (``durable.steps.children``).
 """
 
 import datetime

@@ -1,6 +1,6 @@
 """What every wait of a running step shares: the fence, the recorded outcome, the wake.
 
-``ctx.wait_for`` (``durable.inbox``) and ``ctx.join`` (``durable.children``) are waits:
+``ctx.wait_for`` (``durable.steps.inbox``) and ``ctx.join`` (``durable.steps.children``) are waits:
 a step that asks either parks on a key, holding no worker, until a signal or its last
 child wakes it, and a re-run of the step reads the outcome recorded under that key.
 """

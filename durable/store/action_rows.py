@@ -3,7 +3,7 @@
 The dispatcher leases due outbox rows (``claim_actions``), renews a row's lease for its
 send (``extend_action_lease``) and ends it with the row's new status (``release_action``,
 ``park_action``). Every send is wrapped by two writes, as raw SQL since they run once
-per action, like the worker's step commit (``durable.locking.complete_step``):
+per action, like the worker's step commit (``durable.store.locking.complete_step``):
 
     mark_attempted   before the send: the row is attempted, its lease covers the send,
                      the job's event says so; the job's row is locked meanwhile
@@ -11,49 +11,23 @@ per action, like the worker's step commit (``durable.locking.complete_step``):
                      step's done state with its event and the step's memo
 
 Each is one statement that commits itself on PostgreSQL, and a few in one IMMEDIATE
-transaction on SQLite. Both are fenced by the claim's lease token and by the job's
+transaction on SQLite: their text is the database's class's (``durable.store.database``),
+which these functions ask. Both are fenced by the claim's lease token and by the job's
 state, and write nothing when a fence fails; the dispatcher then takes its general
-path (``durable.dispatch``), which handles everything else (approvals, agents, a job
-that moved meanwhile) with the ORM.
+path (``durable.engine.dispatch``), which handles everything else (approvals, agents, a
+job that moved meanwhile) with the ORM.
 """
-
-import dataclasses
-import datetime
-import json
 
 from django.db import transaction
 from django.db.models.functions import Now
 
-from ..models import EventKind, Outbox
-from . import sql
-from .locking import check_path, now_plus, sqlite_delta
-from .sql import database, pg_execute, sqlite_execute, sqlite_transaction
+from ..models import Outbox
+from . import database
+from .locking import check_path, now_plus
+from .records import ClaimedAction, Success
 from .wakeups import wake_parent
 
-_MICROSECOND = datetime.timedelta(microseconds=1)
-
-
 # Claiming and leasing ---------------------------------------------------------------------
-
-
-class ClaimedAction:
-    """An outbox row as the claim returned it, plus the lease this dispatcher holds.
-
-    Besides the row's own columns (``sql.ACTION_COLUMNS``) it knows its job's workflow
-    and parent and who held the lease before (``sql.JOB_COLUMNS``).
-    """
-
-    def __init__(self, values, previous_owner, workflow, parent_id):
-        for name, value in zip(sql.ACTION_COLUMNS, values, strict=True):
-            setattr(self, name, value)
-        if isinstance(self.payload, str):
-            self.payload = json.loads(self.payload)
-        self.step_cost, self.step_duration = sql.step_figures(self.step_cost, self.step_duration)
-        self.previous_owner = previous_owner
-        self.workflow = workflow
-        self.parent_id = parent_id
-
-    pk = property(lambda self: self.id)
 
 
 def claim_actions(owner, lease_seconds, limit, rooms=None, room=None):
@@ -66,33 +40,7 @@ def claim_actions(owner, lease_seconds, limit, rooms=None, room=None):
     rooms = rooms or {}
     full = [name for name, n in rooms.items() if n <= 0]
     room = int(limit if room is None else room)
-    db = database()
-    extra = len(sql.JOB_COLUMNS)
-    if db.vendor == "postgresql":
-        names = [name for name, n in rooms.items() if n > 0]
-        rows = pg_execute(sql.PG_CLAIM_ACTIONS, {
-            "owner": owner, "lease": float(lease_seconds), "limit": int(limit), "full": full,
-            "names": names, "rooms": [int(rooms[name]) for name in names], "room": room,
-        }, db).fetchall()
-        return [ClaimedAction(row[:-extra], *row[-extra:]) for row in rows]
-
-    def write(db):
-        statement = sql.SQLITE_PICK_ACTIONS.format(full=", ".join("?" for _ in full))
-        left, picked = dict(rooms), {}
-        for action_id, destination, *job in sqlite_execute(statement, (*full, int(limit)), db):
-            if left.setdefault(destination, room) > 0:
-                left[destination] -= 1
-                picked[action_id] = job
-        if not picked:
-            return []
-        modifier = sqlite_delta(lease_seconds)
-        statement = sql.SQLITE_TAKE_ACTIONS.format(ids=", ".join("?" for _ in picked))
-        rows = sqlite_execute(statement, (owner, modifier, modifier, *picked), db).fetchall()
-        order = {action_id: index for index, action_id in enumerate(picked)}
-        return sorted((ClaimedAction(row, *picked[row[0]]) for row in rows),
-                      key=lambda r: order[r.id])
-
-    return sqlite_transaction(write, db)
+    return database.current().claim_actions(owner, lease_seconds, limit, rooms, full, room)
 
 
 def release_action(row, *, after=0.0, only_if=None, **fields):
@@ -136,49 +84,10 @@ def mark_attempted(row, lease_seconds, *, previous, states, actor, message):
     state and the row's attempts once marked, or None when nothing was written (the
     state says whether the job had moved).
     """
-    db = database()
-    if db.vendor == "postgresql":
-        return tuple(pg_execute(sql.PG_MARK_ATTEMPTED, {
-            "job": row.job_id, "id": row.id, "token": row.lease_token, "previous": previous,
-            "states": list(states), "lease": float(lease_seconds), "step": row.kind,
-            "actor": actor, "message": message, "key": row.idempotency_key,
-        }, db).fetchone())
-
-    def write(db):
-        found = sqlite_execute(sql.SQLITE_JOB_STATE, (row.job_id,), db).fetchone()
-        state = found[0] if found else None
-        if state not in states:
-            return state, None
-        modifier = sqlite_delta(lease_seconds)
-        marked = sqlite_execute(sql.SQLITE_MARK_ATTEMPTED, (
-            modifier, modifier, row.id, row.lease_token, previous), db).fetchone()
-        if marked is None:
-            return state, None
-        attempts = marked[0]
-        data = json.dumps({"action": row.id, "key": row.idempotency_key, "attempt": attempts,
-                           "phase": "attempted"})
-        sqlite_execute(sql.SQLITE_EVENT, (row.job_id, EventKind.ACTION.value, state, state,
-                                          row.kind, actor, f"attempt {attempts}{message}", data), db)
-        return state, attempts
-
-    return sqlite_transaction(write, db)
+    return database.current().mark_attempted(row, lease_seconds, previous, states, actor, message)
 
 
 # After a confirmed send ---------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Success:
-    """What ``record_success`` writes for a confirmed action (its memo is the step's)."""
-
-    remote_id: str
-    summary: str                  # the row's response summary, redacted
-    memo_json: str                # the step's memo: the job's result too when ``terminal``
-    done: str                     # the step's done state
-    terminal: bool
-    actor: str
-    message: str                  # the step's event
-    data_json: str                # its data
 
 
 def record_success(row, table, states, success):
@@ -195,45 +104,11 @@ def record_success(row, table, states, success):
         check_path(table, row.workflow, frm, [success.done])
     if success.terminal and row.parent_id is not None:
         with transaction.atomic():
-            state, moved = _record_success(row, states, success)
+            state, moved = database.current().record_success(row, states, success)
             if moved:
                 wake_parent(row.parent_id, row.job_id)
             return state, moved
-    return _record_success(row, states, success)
-
-
-def _record_success(row, states, s):
-    db = database()
-    micros = row.step_duration // _MICROSECOND
-    if db.vendor == "postgresql":
-        state, moved, _ = pg_execute(sql.PG_RECORD_SUCCESS, {
-            "job": row.job_id, "id": row.id, "token": row.lease_token, "states": list(states),
-            "remote_id": s.remote_id, "summary": s.summary, "to": s.done, "terminal": s.terminal,
-            "memo": s.memo_json, "step": row.kind, "actor": s.actor, "message": s.message,
-            "data": s.data_json, "cost": row.step_cost, "micros": micros,
-            "attempt": row.step_attempt, "workflow": row.workflow,
-        }, db).fetchone()
-        return (s.done, True) if moved else (state, False)
-
-    def write(db):
-        found = sqlite_execute(sql.SQLITE_JOB_STATE, (row.job_id,), db).fetchone()
-        state = found[0] if found else None
-        if state not in states:
-            return state, False
-        if sqlite_execute(sql.SQLITE_SETTLE_SUCCEEDED, (s.remote_id, s.summary, row.id,
-                                                        row.lease_token), db).rowcount != 1:
-            return state, False
-        sqlite_execute(sql.SQLITE_MOVE_DONE, (s.done, s.terminal, s.terminal,
-                                              s.memo_json if s.terminal else None, row.job_id,
-                                              state), db)
-        sqlite_execute(sql.SQLITE_EVENT, (row.job_id, EventKind.STEP_DONE.value, state, s.done,
-                                          row.kind, s.actor, s.message, s.data_json), db)
-        sqlite_execute(sql.SQLITE_STEP_MEMO_ONCE, (row.job_id, row.kind, s.memo_json,
-                                                   str(row.step_cost), micros,
-                                                   row.step_attempt, row.workflow), db)
-        return s.done, True
-
-    return sqlite_transaction(write, db)
+    return database.current().record_success(row, states, success)
 
 
 __all__ = [

@@ -7,7 +7,7 @@ busy deployment) is too slow for a page an operator opens during an incident, so
 the minutes before the mark and the few memos after it (``spent``). Rolling up is
 incremental and idempotent, under a row lock, so each memo is counted once. It is done
 on the write side, never by a page: by the workers about once a minute
-(``durable.rollups``), by ``manage.py durable purge`` and ``manage.py durable rollup``.
+(``durable.store.rollups``), by ``manage.py durable purge`` and ``manage.py durable rollup``.
 Readers only read: the memos after the mark are one range of the (at, …) index.
 
 A memo is never paid for twice, so it is deleted only when it must not be reused: its

@@ -2,7 +2,7 @@
 
 Two tables summarise what would otherwise be read row by row on every page view:
 
-- ``CostMinute``: memo costs per minute (``durable.memos.roll_up``; mark: ``CostMark`` row 1);
+- ``CostMinute``: memo costs per minute (``durable.store.memos.roll_up``; mark: ``CostMark`` row 1);
 - ``MoveMinute``: state moves per minute, from the event log (``roll_up_moves``; mark:
   ``CostMark.moves_through``),
   kept for ``MOVES_KEPT``: the dashboard's trend reads at most its longest window back.
@@ -23,11 +23,10 @@ import random
 import time
 
 from django.db import DatabaseError, InterfaceError, connection, transaction
-from django.db.models import CharField, Count, F, Func, Sum, Value
-from django.db.models.functions import TruncMinute
+from django.db.models import Count, F, Sum
 
 from ..models import CostMark, EventKind, Job, JobEvent, MoveMinute
-from . import locking, memos
+from . import database, locking, memos
 
 logger = logging.getLogger("durable.rollups")
 
@@ -97,14 +96,8 @@ def roll_up_moves(now=None):
 
 
 def _bucket():
-    """The minute of an event's ``at``, computed natively by the database.
-
-    SQLite stores a UTC datetime as text ("YYYY-MM-DD HH:MM:SS.ffffff"): its first 16
-    characters are the minute, where the ORM's TruncMinute is a Python function per row.
-    """
-    if connection.vendor == "sqlite":
-        return Func(F("at"), Value(1), Value(16), function="substr", output_field=CharField())
-    return TruncMinute("at", tzinfo=datetime.UTC)
+    """The minute of an event's ``at``, computed natively by the database (text on SQLite)."""
+    return database.of(connection).minute_of("at")
 
 
 def _as_minute(value):
@@ -162,7 +155,7 @@ def _add_events(add, start, end, workflow, *, after=False):
     events = _events(start, end, after=after)
     sql, params = events.values("job_id", "from_state", "to_state").query.sql_with_params()
     job = connection.ops.quote_name(Job._meta.db_table)
-    join = "CROSS JOIN" if connection.vendor == "sqlite" else "JOIN"
+    join = database.of(connection).ordered_join
     query = (f"SELECT j.workflow, e.from_state, e.to_state, COUNT(*) FROM ({sql}) e {join} {job} j"
              f" ON j.id = e.job_id{' WHERE j.workflow = %s' if workflow else ''}"
              " GROUP BY j.workflow, e.from_state, e.to_state")

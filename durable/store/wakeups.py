@@ -1,7 +1,7 @@
 """Waking a parked job: the compare-and-swap on its wait, and a parent's when its last child finishes.
 
 A job parked on a wait (``Job.awaiting``) is made due by ``wake``: for a signal of that
-wait's name (``durable.inbox``), or for a join by the transaction that finishes the last
+wait's name (``durable.steps.inbox``), or for a join by the transaction that finishes the last
 of the children it waits for (``wake_parent``, which ``locking.transition`` calls). Part
 of the store: it writes in its caller's transaction and imports nothing above the store.
 """
@@ -12,14 +12,15 @@ from django.db.models.functions import Now
 from ..core.states import SETTLED_KINDS, StateKind
 from ..core.workflows import registry
 from ..models import EventKind, Job, JobEvent, Wait, WaitKind
-from . import sql
+from . import database
+from .records import JOBS_CHANNEL
 
 
 def wake(job_id, key, workflow):
     """Compare-and-swap a job parked on the wait ``key`` to due now; True if this call did it."""
     woke = bool(Job.objects.filter(pk=job_id, awaiting=key).update(next_run_at=Now(), awaiting=""))
     if woke:
-        sql.notify(sql.JOBS_CHANNEL, workflow)
+        database.current().notify(JOBS_CHANNEL, workflow)
     return woke
 
 

@@ -335,7 +335,7 @@ def _table():
 
 
 def _result(job_id, task=None, job=None):
-    """The TaskResult of the task job ``job_id`` (see ``durable.task_results``)."""
+    """The TaskResult of the task job ``job_id`` (see ``durable.tasks.results``)."""
     return build_result(job_id, _table(), task=task, job=job)
 
 

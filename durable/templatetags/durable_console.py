@@ -1,6 +1,6 @@
 """Filters for the console templates: ages, money and JSON shown the same way everywhere.
 
-Durations and money are written by ``durable.formats``; the filters are those functions.
+Durations and money are written by ``durable.core.formats``; the filters are those functions.
 """
 
 from decimal import Decimal, InvalidOperation

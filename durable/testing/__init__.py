@@ -25,7 +25,7 @@ worker never kills the "remote system")::
 
 The first line on stdout is its URL. Standard library only: it must run wherever
 the tests run, and must not share a connection pool or a bug with the client. The
-server itself is ``durable.receiver``; this module adds the receiver in a process of
+server itself is ``durable.testing.receiver``; this module adds the receiver in a process of
 its own and the fake model server and scripted models for agents.
 """
 

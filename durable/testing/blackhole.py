@@ -3,7 +3,7 @@
 It is what a remote system looks like when it hangs: the TCP handshake completes, the
 request is sent, and no byte of a reply ever comes, so the client waits out its read
 timeout. Tests point a destination at ``Blackhole().url`` to show that one such
-destination holds only its share of the dispatcher's slots (see ``durable.slots``).
+destination holds only its share of the dispatcher's slots (see ``durable.engine.dispatch.slots``).
 """
 
 import socket

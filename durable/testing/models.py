@@ -1,7 +1,7 @@
 """A scripted model that answers in-process, for tests and examples: every agent path, offline.
 
 It speaks through the same code as the real adapters: each scripted reply (built with
-``durable.fake_openai.reply`` and ``tool_call``) becomes the chat.completion the fake
+``durable.testing.fake_openai.reply`` and ``tool_call``) becomes the chat.completion the fake
 server would send, parsed by ``durable.llm.reply_from_completion``. The reply a call
 gets is chosen by the conversation's turn (how many assistant messages it holds), so
 a resumed run asking again for turn 3 gets turn 3's reply. ``calls`` lists the turns
@@ -9,7 +9,7 @@ asked, in order: each one a paid call. An entry ``{"raw": "..."}`` is a reply th
 cannot be parsed (``ModelReplyInvalid``, with the text kept).
 
 For a model behind a real HTTP server (a worker killed during a network wait), use
-``durable.fake_openai.FakeModelServer`` with ``durable.llm.OpenAIChat``.
+``durable.testing.fake_openai.FakeModelServer`` with ``durable.llm.OpenAIChat``.
 """
 
 from ..agents.llm import ModelReplyInvalid, reply_from_completion

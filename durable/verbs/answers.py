@@ -23,7 +23,6 @@ import json
 from dataclasses import dataclass
 
 from django.db import transaction
-from django.db.models.functions import Now
 
 from ..conf import durable_settings
 from ..core.identity import same_json, storable_json
@@ -31,7 +30,7 @@ from ..core.states import StateKind
 from ..core.workflows import registry
 from ..exceptions import OperatorError
 from ..models import EventKind, Job, StepResult
-from ..store import audit, locking, memos
+from ..store import audit, locking, memos, moves
 from . import jobs as services
 
 # How far back an output of the asking step is looked for, as the answer's shape.
@@ -272,8 +271,7 @@ def _move(job, to, user, message, verb, data):
     ok = locking.transition(
         job, to, actor=audit.actor(user), message=message, kind=EventKind.OPERATOR,
         data={"verb": verb, **data},
-        fields={"attempts": 0, "next_run_at": Now(), "lease_until": None,
-                "lease_owner": None, "last_error": ""},
+        move=moves.run_again(error=""),
     )
     if not ok:
         raise OperatorError(f"Job {job.pk} moved while you were acting on it; reload and retry")

@@ -2,7 +2,7 @@
 
 Every verb checks the transition table, writes with a compare-and-swap, and records
 who did it and why in JobEvent (and Django's admin log when a user is given).
-``submit`` (``durable.submission``) and the purge (``durable.purge``) are documented
+``submit`` (``durable.store.submission``) and the purge (``durable.verbs.purge``) are documented
 here and re-exported.
 """
 
@@ -37,7 +37,7 @@ from ..schedules import firing as schedules
 from ..steps import inbox
 from ..steps.children import terminal_q
 from ..steps.context import Context
-from ..store import audit, locking
+from ..store import audit, locking, moves
 from ..store.memos import record_spend
 from ..store.submission import submit
 from .purge import Purged, parse_age, purge, purgeable
@@ -54,10 +54,10 @@ def _lease_is_live(job):
     return job.lease_until is not None and job.lease_until >= locking.db_now()
 
 
-def _operator_move(job, to, user, reason, verb, fields):
+def _operator_move(job, to, user, reason, verb, move):
     ok = locking.transition(
         job, to, actor=audit.actor(user), message=f"{verb}: {reason}".strip(": "),
-        kind=EventKind.OPERATOR, data={"verb": verb}, fields=fields,
+        kind=EventKind.OPERATOR, data={"verb": verb}, move=move,
     )
     if not ok:
         raise OperatorError(f"Job {job.pk} moved while you were acting on it; reload and retry")
@@ -75,9 +75,7 @@ def requeue(job_id, *, user=None, reason=""):
         if _lease_is_live(job):
             raise OperatorError(f"Job {job.pk} is being worked on (lease live); not requeued")
         states = table.step_of(job.state)
-        return _operator_move(job, states.before, user, reason, "requeue", {
-            "attempts": 0, "next_run_at": Now(), "lease_until": None, "lease_owner": None,
-        })
+        return _operator_move(job, states.before, user, reason, "requeue", moves.run_again())
 
 
 def retry_now(job_id, *, user=None, reason=""):
@@ -114,9 +112,7 @@ def cancel(job_id, *, user=None, reason="", children=False):
         job = _get_for_update(job_id)
         if job.table.is_terminal(job.state):
             raise OperatorError(f"Job {job.pk} already finished ({job.state})")
-        _operator_move(job, CANCELLED, user, reason, "cancel", {
-            "next_run_at": None, "lease_until": None, "lease_owner": None,
-        })
+        _operator_move(job, CANCELLED, user, reason, "cancel", moves.hand_over())
         # Withdraw what has not left the system yet; anything sent stays visible.
         job.actions.filter(status=OutboxStatus.PENDING).update(
             status=OutboxStatus.CANCELLED, next_attempt_at=None, last_error="job cancelled"
@@ -170,9 +166,7 @@ def send_back(job_id, *, to_state=None, user=None, reason=""):
             raise OperatorError(
                 f"{job.state} -> {to_state} is not allowed; choose one of {', '.join(allowed)}"
             )
-        return _operator_move(job, to_state, user, reason, "send back", {
-            "attempts": 0, "next_run_at": Now(), "lease_until": None, "lease_owner": None,
-        })
+        return _operator_move(job, to_state, user, reason, "send back", moves.run_again())
 
 
 def pause(workflow, *, user=None, reason=""):

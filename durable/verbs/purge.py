@@ -66,7 +66,7 @@ def purge(older_than, *, batch_size=500, keep_costs=None, workflow=None, dry_run
     actions, approvals and events go with them, one short transaction per batch, so
     workers and the console are never blocked for long. With ``keep_costs`` (default
     DURABLE["PURGE_KEEP_COSTS"]) the memos' costs stay in the per-minute rollups
-    (``durable.memos``) the cost report reads, in the same transaction as the delete.
+    (``durable.store.memos``) the cost report reads, in the same transaction as the delete.
     """
     if isinstance(older_than, str):
         older_than = parse_age(older_than)

@@ -18,7 +18,7 @@ Every page is wrapped by ``base.page`` (active staff only, CSRF-protected, never
 never framed, NUL refused, UTC). A page shows what the user may see; a button appears
 only with the permission its verb needs, and a POST without that permission is refused
 with a message and a 403, changing nothing. Views never edit rows: every change is a
-call to a verb in ``durable.services``, ``durable.reconcile`` or ``durable.approvals``.
+call to a verb in ``durable.services``, ``durable.actions.reconcile`` or ``durable.approvals``.
 """
 
 from django.contrib.admin.utils import unquote

@@ -1,8 +1,8 @@
 """A job's question for a person, answered on its page: the value, corrected and sent on.
 
-The job page shows the question (``durable.answers.question``) with the value the step
+The job page shows the question (``durable.verbs.answers.question``) with the value the step
 asked about as a form: one field per value when it is a flat object (a number stays a
-number), its JSON otherwise. The answer posts here and calls ``durable.answers.answer``.
+number), its JSON otherwise. The answer posts here and calls ``durable.verbs.answers.answer``.
 """
 
 import json

@@ -16,7 +16,7 @@ from django.db.models import Sum
 from django.http import Http404, HttpResponseRedirect
 from django.template.response import TemplateResponse
 
-from ..actions import approvals
+from ..actions import approvals, kinds
 from ..agents import outbox as agent_outbox
 from ..agents import tools as agent_actions
 from ..core import formats
@@ -117,7 +117,7 @@ def _proposal_page(request, admin_site, pk, *, status=200):
              and not later and job.state == approvals.awaiting_state(approval))
     may_decide = approvals.can_decide(request.user)
     replaced = earlier[0] if earlier else None
-    call = agent_actions.editable_call(approval) if approval.turn is not None else None
+    call = agent_actions.editable_call(approval) if _turn_based(approval) else None
     ctx = context(
         request, admin_site, f"Proposal {approval.pk} for {job.workflow}.{approval.step}",
         "approvals",
@@ -202,13 +202,19 @@ def _original(pk):
         raise DecisionRefused(f"There is no proposal {pk!r}") from None
 
 
+def _turn_based(approval):
+    """Whether the proposal's action is decided turn by turn (an agent's tool call), as its kind says."""
+    job = approval.job
+    return job.workflow in registry and kinds.of(job.definition).turn_based
+
+
 def _open_left(approval):
     return Approval.objects.filter(job_id=approval.job_id, status=ApprovalStatus.REQUESTED).count()
 
 
 def _after_approval(approval):
     """``(success, warning)``: what the approver is told will happen, the check before dispatch run now."""
-    if approval.turn is not None:
+    if _turn_based(approval):
         return _after_agent_approval(approval)
     changed = inputs_changed(approval)
     if changed:
@@ -259,7 +265,7 @@ def _same_model_reply(approval):
 def _after_rejection(approval):
     """What the rejecter is told happens next."""
     job = approval.job
-    if approval.turn is None:
+    if not _turn_based(approval):
         if job.state == "cancelled":
             return "Rejected: nothing was sent, and the job is cancelled."
         return f"Rejected: nothing was sent; the job is now {job.state}, where a person takes it from there."
@@ -385,7 +391,7 @@ def story(approval, now, *, later=()):
     verb = "Superseded" if status == ApprovalStatus.SUPERSEDED else "Expired"
     why = _why(approval)
     if who:
-        after = ("the agent is told and proposes again from fresh data" if approval.turn is not None
+        after = ("the agent is told and proposes again from fresh data" if _turn_based(approval)
                  else "the step prepares a new proposal from current inputs")
         return (f"Approved by {who} at {_at(approval.decided_at)}. {verb} before it was sent"
                 f"{': ' + why if why else ''}. Nothing was sent; {after}.")
@@ -489,7 +495,7 @@ def record_diff(current, values):
 def current_record(approval):
     """The target record as the workflow reads it now, or None when it cannot tell."""
     job = approval.job
-    if approval.turn is not None:
+    if _turn_based(approval):
         return None  # an agent's tool call: what it was prepared from is shown instead
     try:
         workflow = registry.get(job.workflow)

@@ -2,7 +2,7 @@
 
 A console view is a function ``view(request, owner, *args)`` where ``owner`` is the admin
 site (site-level pages) or the ModelAdmin (pages of one model). It never edits a row: every
-change is a call to a verb (``durable.services``, ``durable.reconcile``,
+change is a call to a verb (``durable.services``, ``durable.actions.reconcile``,
 ``durable.approvals``). :func:`page` turns it into a URL's view:
 
 - staff only, CSRF-protected, never cached (``admin_site.admin_view``);

@@ -1,6 +1,6 @@
 """The dashboard: the four operator questions and the alerts; a failure group requeued; pause.
 
-Read from ``durable.reports`` against one database time; the pause form posts here and
+Read from ``durable.reads.reports`` against one database time; the pause form posts here and
 calls ``services.pause``/``resume``, which record who did it.
 """
 

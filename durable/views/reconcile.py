@@ -1,6 +1,6 @@
 """Reconciliation: actions whose outcome nobody knows, and the operator's decision on each.
 
-Each decision is a service of ``durable.reconcile`` bound to the row version the page
+Each decision is a service of ``durable.actions.reconcile`` bound to the row version the page
 showed; the service refuses it if the row moved meanwhile.
 """
 

@@ -1,6 +1,6 @@
 """Workers: which runworkers processes run, where, since when, and what each slot does now.
 
-Every process writes its own row on a heartbeat (``durable.presence``); this page reads
+Every process writes its own row on a heartbeat (``durable.engine.presence``); this page reads
 the rows and the database clock, nothing else. A row whose heartbeat stopped for three
 beats is shown stale (its process died without a word; its jobs come back when their
 leases expire), until a live process deletes it.

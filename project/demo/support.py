@@ -17,8 +17,8 @@ from typing import Literal
 from django.conf import settings
 
 from durable import Action, Retry
-from durable.llm import OpenAIChat
 from durable.agents import AgentWorkflow, ToolError, tool
+from durable.llm import OpenAIChat
 
 # Refunds above this many euros wait for a person's approval before they are sent.
 REFUND_APPROVAL_ABOVE = Decimal(os.environ.get("DEMO_REFUND_APPROVAL_ABOVE", "100"))

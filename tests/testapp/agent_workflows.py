@@ -13,8 +13,8 @@ import time
 from decimal import Decimal
 
 from durable import Action, Retry
-from durable.llm import OpenAIChat
 from durable.agents import AgentWorkflow, ToolError, tool
+from durable.llm import OpenAIChat
 from durable.testing import ScriptedModel
 
 from .workflows import record

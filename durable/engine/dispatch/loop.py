@@ -1,7 +1,7 @@
 """The dispatcher: it sends the actions the outbox holds and records what it learned.
 
 An action step returns ``Action(destination, operation, values)`` instead of doing
-anything; ``durable.outbox`` writes it as an Outbox row in the transaction that moves
+anything; ``durable.actions.outbox`` writes it as an Outbox row in the transaction that moves
 the job to ``in_flight_<step>``. The dispatcher claims due rows under a lease (like
 jobs), commits *attempted* before it sends, sends with the row's stable idempotency
 key, and records what it learned:
@@ -11,12 +11,12 @@ key, and records what it learned:
     not sent    refused at the door or no connection: retried later, same key
     unknown     the reply was lost: the job waits in unknown_<step> and the action is
                 reconciled (lookup, or a resend the destination deduplicates) before
-                any new write, or waits for an operator (durable.reconcile)
+                any new write, or waits for an operator (durable.actions.reconcile)
 
 A row found *attempted* by a claim (its dispatcher died between marking and
 recording) is unknown: it was perhaps sent. This module is the loop: the claims, the
-slots (``durable.slots``) and their threads; each claimed row is settled by
-``durable.sender``.
+slots (``durable.engine.dispatch.slots``) and their threads; each claimed row is settled by
+``durable.engine.dispatch.sender``.
 """
 
 import logging
@@ -47,7 +47,7 @@ OUTBOX_CHANNEL = locking.OUTBOX_CHANNEL
 
 
 class Dispatcher(Drains):
-    """Claims due outbox rows and sends them, one per slot; one per process (see durable.slots)."""
+    """Claims due outbox rows and sends them, one per slot; one per process (see durable.engine.dispatch.slots)."""
 
     # As safe as a crash on a second signal: an attempted row is reconciled by the next claim.
     draining_message = "recording the actions in flight, then exiting"
@@ -240,7 +240,7 @@ class Dispatcher(Drains):
             action_rows.release_action(row)
 
     def process(self, row):
-        """Do the right thing for a claimed row from its status alone (see durable.sender)."""
+        """Do the right thing for a claimed row from its status alone (see durable.engine.dispatch.sender)."""
         self.sender.process(row)
 
 
@@ -258,6 +258,3 @@ class OutboxWaiter(Waiter):
 
 
 __all__ = ["Dispatcher", "OutboxWaiter"]
-
-# Allow DURABLE["DESTINATIONS"] entries to name "durable.dispatch.HttpDestination".
-HttpDestination = destinations.HttpDestination

@@ -1,6 +1,6 @@
 """One claimed outbox row, from its status to its recorded outcome (the dispatcher's threads).
 
-``durable.dispatch`` claims due rows and hands each to a ``Sender`` on one of its
+``durable.engine.dispatch.loop`` claims due rows and hands each to a ``Sender`` on one of its
 threads. The sender decides from the row's status alone:
 
     pending     mark it attempted (committed), send it once with its idempotency key,
@@ -11,7 +11,7 @@ threads. The sender decides from the row's status alone:
                 deduplicates, or wait for an operator
 
 The common case, an action step's row sent and confirmed, is two fenced writes
-(``durable.action_rows``: ``mark_attempted``, then ``outbox.confirm``). Under
+(``durable.store.action_rows``: ``mark_attempted``, then ``outbox.confirm``). Under
 ``Dispatcher.run`` the confirmation is handed to one writing thread (``open_batches``):
 the slot frees at the reply, and sends that came back together share a commit.
 Everything else
@@ -41,7 +41,7 @@ from ...core.workflows import registry
 from ...exceptions import UnknownDestination, UnknownWorkflow
 from ...models import EventKind, Job, JobEvent, Outbox, OutboxStatus
 from ...signals import job_finished
-from ...store import action_rows, locking
+from ...store import action_rows, locking, moves
 from ..process import keep_connections_healthy
 from .slots import Batches
 
@@ -276,7 +276,7 @@ class Sender:
 
     def _record(self, ctx, outcome, previous):
         # A reply (a result or a refusal) earns the destination its share of the slots;
-        # none (timed out, cut, not reachable) leaves it the slow share (durable.slots).
+        # none (timed out, cut, not reachable) leaves it the slow share (durable.engine.dispatch.slots).
         self.slots.answered(ctx.row.destination,
                             replied=outcome.status in (destinations.SUCCEEDED, destinations.FAILED))
         if outcome.status == destinations.SUCCEEDED:
@@ -364,7 +364,7 @@ class Sender:
 
     def open_batches(self):
         """From now on a confirmed send (or one a lookup found) is written on a thread of its
-        own, with the others that came back meanwhile (``durable.slots.Batches``): its slot
+        own, with the others that came back meanwhile (``durable.engine.dispatch.slots.Batches``): its slot
         frees at the reply."""
         self._batches = Batches(self.write_confirmed)
 
@@ -491,7 +491,7 @@ class Sender:
                     job, ctx.states.unknown, actor=self.name, step=row.kind, table=ctx.table,
                     kind=EventKind.ACTION, message=scrub(message),
                     data={"action": row.id, "key": row.idempotency_key, "phase": "unknown"},
-                    fields={"last_error": scrub(error)},
+                    move=moves.keep_lease(error=scrub(error)),
                 )
             else:
                 Job.objects.filter(pk=job.pk, state=job.state).update(last_error=scrub(error))

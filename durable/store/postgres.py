@@ -1,0 +1,508 @@
+"""PostgreSQL: the store's statements in its dialect, and how they run (``PostgresStore``).
+
+Each hot move is one statement that reads its own ``RETURNING`` (a claim and its event,
+a step's commit with its event and memo, ...), so it commits itself in one round trip
+outside a transaction; SKIP LOCKED lets claimers pass over each other's rows. Statements
+run on psycopg's own cursor (no ORM, no query rewriting), prepared once per connection
+(server-side binding) unless ``DURABLE["PREPARED_STATEMENTS"]`` is off; errors still
+surface as Django's database exceptions. Parameters are psycopg's named ones
+(``%(name)s``); every time that decides ownership is ``statement_timestamp()``. A name in
+braces (``{filters}``) is filled with SQL built from the fragments here, never with a value.
+NOTIFY wakes idle processes that LISTEN (``notifies``).
+
+Each statement is a constant with a one-line comment above it (procrastinate's
+``queries.sql`` is the model).
+"""
+
+import json
+
+from django.db import connection, transaction
+
+from ..conf import durable_settings
+from ..models import Job
+from .base import Database, connected
+from .records import JOB_COLUMNS, JOBS_CHANNEL, MICROSECOND, NO_STARTS, Claimed, ClaimedAction
+
+# The clock -----------------------------------------------------------------------------------
+
+# The database's current time.
+NOW = "SELECT statement_timestamp()"
+
+# Seconds from now until the earliest job is due (NULL: none is).
+UNTIL_JOB_DUE = """
+SELECT EXTRACT(EPOCH FROM min(next_run_at) - statement_timestamp())::float8
+FROM durable_job WHERE next_run_at IS NOT NULL
+"""
+
+
+# Waking --------------------------------------------------------------------------------------
+
+# Wake the listeners of a channel when the current transaction commits.
+NOTIFY = "SELECT pg_notify(%(channel)s, %(payload)s)"
+
+
+# Claim filters (appended to a claim's WHERE as {filters}) ------------------------------------
+
+# Only rows whose {column} (workflow or queue) is in the list parameter named {column}s.
+FILTER = " AND {column} = ANY(%({column}s)s)"
+
+
+# Jobs: claiming ------------------------------------------------------------------------------
+
+# Lease the oldest due job of an unpaused workflow and start its step (records.Starts), with
+# the CLAIMED event: one statement. SKIP LOCKED lets concurrent workers pass over each
+# other's candidates; next_run_at moves to the lease's end, so a dead worker's job is due
+# again exactly when its lease expires.
+CLAIM_JOB = """
+WITH candidate AS (
+    SELECT id, lease_owner AS previous_owner, workflow, state
+    FROM durable_job
+    WHERE next_run_at <= statement_timestamp() {filters}
+      AND NOT EXISTS (SELECT 1 FROM durable_pause p WHERE p.workflow = durable_job.workflow)
+    ORDER BY next_run_at
+    LIMIT 1
+    FOR UPDATE SKIP LOCKED
+), taken AS (
+    UPDATE durable_job AS j
+    SET lease_owner = %(owner)s,
+        lease_token = j.lease_token + 1,
+        lease_until = statement_timestamp() + %(lease)s * interval '1 second',
+        next_run_at = statement_timestamp() + %(lease)s * interval '1 second',
+        updated = statement_timestamp(),
+        state = COALESCE(s.working, j.state),
+        attempts = CASE WHEN s.working IS NULL THEN j.attempts
+                        WHEN s.timer THEN GREATEST(j.attempts, 1)
+                        ELSE j.attempts + 1 END
+    FROM candidate c
+    LEFT JOIN unnest(%(start_workflows)s::text[], %(start_states)s::text[],
+                     %(start_working)s::text[], %(start_steps)s::text[], %(start_timers)s::bool[],
+                     %(start_messages)s::text[])
+              AS s(workflow, state, working, step, timer, woken)
+           ON s.workflow = c.workflow AND s.state = c.state
+    WHERE j.id = c.id
+    RETURNING j.id, j.workflow, j.state, j.attempts, j.lease_token, j.payload::text AS payload,
+              j.wake_at, statement_timestamp() AS now, c.previous_owner, c.state AS previous_state,
+              s.step, s.timer, s.woken, j.parent_id, j.created
+), started AS (
+    INSERT INTO durable_jobevent (job_id, at, kind, from_state, to_state, step, actor, message, data)
+    SELECT id, now, 'claimed', previous_state, state, step, %(owner)s,
+           CASE WHEN timer THEN woken ELSE 'attempt ' || attempts END, NULL
+    FROM taken WHERE step IS NOT NULL
+)
+SELECT id, workflow, state, attempts, lease_token, payload, wake_at, now, previous_owner, step,
+       parent_id, created
+FROM taken
+"""
+
+
+# Jobs: submitting ----------------------------------------------------------------------------
+
+# Insert a job with its "submitted" event and wake idle workers when it commits; no row when
+# a job with this id exists (nothing is written then).
+INSERT_JOB = f"""
+WITH job AS (
+    INSERT INTO durable_job (id, workflow, workflow_version, queue, state, payload, result, attempts,
+                             next_run_at, lease_until, lease_owner, lease_token, wake_at, last_error,
+                             submitted_by, created, updated)
+    VALUES (%(id)s, %(workflow)s, %(version)s, %(queue)s, %(state)s, %(payload)s::jsonb, NULL, 0,
+            COALESCE(%(run_after)s::timestamptz, statement_timestamp()), NULL, NULL, 0, NULL, '',
+            %(by)s, statement_timestamp(), statement_timestamp())
+    ON CONFLICT (id) DO NOTHING
+    RETURNING id, created, updated, next_run_at
+), submitted AS (
+    INSERT INTO durable_jobevent (job_id, at, kind, from_state, to_state, step, actor, message, data)
+    SELECT id, created, 'submitted', '', %(state)s, '', %(by)s, %(message)s, NULL FROM job
+), woken AS (
+    SELECT pg_notify('{JOBS_CHANNEL}', %(workflow)s) FROM job
+)
+SELECT created, updated, next_run_at, (SELECT count(*) FROM woken) FROM job
+"""
+
+
+# Jobs: the step commit (the worker's hot path) -----------------------------------------------
+
+# Move a leased job to its next state (lease kept or given up, result when terminal), with
+# its event and its memo, fenced by state and lease: one statement whose inserts read the
+# UPDATE's RETURNING, so a fenced-out worker inserts nothing.
+COMPLETE_STEP = """
+WITH moved AS (
+    UPDATE durable_job
+    SET state = %(to)s,
+        updated = statement_timestamp(),
+        attempts = %(attempts)s,
+        lease_until = CASE WHEN %(keep)s
+                           THEN statement_timestamp() + %(lease)s * interval '1 second' END,
+        lease_owner = CASE WHEN %(keep)s THEN lease_owner END,
+        next_run_at = CASE WHEN %(keep)s
+                           THEN statement_timestamp() + %(lease)s * interval '1 second'
+                           WHEN %(terminal)s THEN NULL
+                           ELSE statement_timestamp() END,
+        wake_at = NULL,
+        last_error = '',
+        result = CASE WHEN %(terminal)s THEN %(result)s::jsonb ELSE result END
+    WHERE id = %(id)s AND state = %(frm)s AND lease_token = %(token)s
+      AND lease_until >= statement_timestamp()
+    RETURNING id
+), events AS (
+    INSERT INTO durable_jobevent (job_id, at, kind, from_state, to_state, step, actor, message, data)
+    SELECT moved.id, statement_timestamp(), %(kind)s, %(frm)s, %(to)s, %(step)s, %(actor)s, '',
+           %(data)s::jsonb
+    FROM moved
+), memo AS (
+    INSERT INTO durable_stepresult (job_id, step, output, cost, duration, attempt, workflow, at)
+    SELECT moved.id, %(step)s, %(output)s::jsonb, %(cost)s, %(micros)s * interval '1 microsecond',
+           %(attempt)s, %(workflow)s, statement_timestamp()
+    FROM moved WHERE %(write_memo)s
+)
+SELECT count(*) FROM moved
+"""
+
+
+# Jobs: an agent's memo commit (one per model or tool call) -----------------------------------
+
+# Record an agent's progress and renew its lease, fenced by state and lease, and insert the
+# call's memo from the UPDATE's RETURNING: one statement.
+COMMIT_MEMO = """
+WITH moved AS (
+    UPDATE durable_job
+    SET progress = %(progress)s::jsonb, attempts = 1, updated = statement_timestamp(),
+        lease_until = statement_timestamp() + %(lease)s * interval '1 second',
+        next_run_at = statement_timestamp() + %(lease)s * interval '1 second',
+        last_error = ''
+    WHERE id = %(id)s AND state = %(state)s AND lease_token = %(token)s
+      AND lease_until >= statement_timestamp()
+    RETURNING id
+)
+INSERT INTO durable_stepresult (job_id, step, kind, name, seq, turn, fingerprint, output, cost,
+                                input_tokens, output_tokens, model, duration, attempt, workflow, at)
+SELECT moved.id, %(key)s, %(kind)s, %(name)s, %(seq)s, %(turn)s, %(fingerprint)s,
+       %(output)s::jsonb, %(cost)s, %(input_tokens)s, %(output_tokens)s, %(model)s,
+       %(micros)s * interval '1 microsecond', %(attempt)s, %(workflow)s, statement_timestamp()
+FROM moved
+"""
+
+
+# Jobs: the heartbeat -------------------------------------------------------------------------
+
+# The heartbeat: renew every live lease a worker process holds, in one statement; the
+# ids renewed come back (a pair missing lost its lease).
+RENEW_LEASES = """
+UPDATE durable_job AS j
+SET lease_until = statement_timestamp() + %(lease)s * interval '1 second',
+    next_run_at = statement_timestamp() + %(lease)s * interval '1 second'
+FROM unnest(%(ids)s::text[], %(tokens)s::bigint[]) AS held(id, token)
+WHERE j.id = held.id AND j.lease_token = held.token AND j.lease_until >= statement_timestamp()
+RETURNING j.id
+"""
+
+
+# Outbox rows: claiming -----------------------------------------------------------------------
+
+# Lease up to %(limit)s due outbox rows whose job's workflow is not paused, oldest first,
+# at most the room given per destination (%(names)s/%(rooms)s; any other: %(room)s) and none
+# of the %(full)s ones. SKIP LOCKED lets several dispatchers claim different rows at once;
+# next_attempt_at moves to the lease's end, so a dispatcher that dies leaves the row due
+# again exactly when its lease expires.
+CLAIM_ACTIONS = """
+WITH candidate AS (
+    SELECT o.id, o.destination, o.next_attempt_at, o.lease_owner AS previous_owner, j.workflow,
+           j.parent_id
+    FROM durable_outbox o JOIN durable_job j ON j.id = o.job_id
+    WHERE o.next_attempt_at <= statement_timestamp()
+      AND o.destination <> ALL(%(full)s::text[])
+      AND NOT EXISTS (SELECT 1 FROM durable_pause p WHERE p.workflow = j.workflow)
+    ORDER BY o.next_attempt_at
+    LIMIT %(limit)s
+    FOR UPDATE OF o SKIP LOCKED
+), chosen AS (
+    SELECT c.id, c.previous_owner, c.workflow, c.parent_id
+    FROM (SELECT candidate.*, row_number() OVER (PARTITION BY destination
+                                                  ORDER BY next_attempt_at, id) AS n
+          FROM candidate) c
+    LEFT JOIN unnest(%(names)s::text[], %(rooms)s::int[]) AS r(destination, room)
+           ON r.destination = c.destination
+    WHERE c.n <= COALESCE(r.room, %(room)s)
+)
+UPDATE durable_outbox AS o
+SET lease_owner = %(owner)s,
+    lease_token = o.lease_token + 1,
+    lease_until = statement_timestamp() + %(lease)s * interval '1 second',
+    next_attempt_at = statement_timestamp() + %(lease)s * interval '1 second',
+    updated = statement_timestamp()
+FROM chosen
+WHERE o.id = chosen.id
+RETURNING o.id, o.job_id, o.kind, o.destination, o.operation, o.payload::text,
+          o.idempotency_key, o.status, o.attempts, o.lookups, o.lease_token, o.version,
+          o.last_error, o.step_key, o.step_cost, o.step_duration, o.step_attempt,
+          chosen.previous_owner,
+          chosen.workflow, chosen.parent_id
+"""
+
+
+# Outbox rows: the two writes around a send ---------------------------------------------------
+
+# Mark a claimed row attempted before it is sent, renewing its lease for the send, with its
+# event: fenced by the claim's token and the status it had, and by the job's state (locked,
+# so an operator's cancel cannot interleave). One statement; the job's state comes back
+# whether or not the row was marked.
+MARK_ATTEMPTED = """
+WITH job AS (
+    SELECT id, state FROM durable_job WHERE id = %(job)s FOR UPDATE
+), marked AS (
+    UPDATE durable_outbox AS o
+    SET status = 'attempted', attempts = o.attempts + 1, sent_at = statement_timestamp(),
+        version = o.version + 1, updated = statement_timestamp(),
+        lease_until = statement_timestamp() + %(lease)s * interval '1 second',
+        next_attempt_at = statement_timestamp() + %(lease)s * interval '1 second'
+    FROM job
+    WHERE o.id = %(id)s AND o.lease_token = %(token)s AND o.status = %(previous)s
+      AND job.state = ANY(%(states)s::text[])
+    RETURNING o.attempts, job.state
+), event AS (
+    INSERT INTO durable_jobevent (job_id, at, kind, from_state, to_state, step, actor, message, data)
+    SELECT %(job)s, statement_timestamp(), 'action', state, state, %(step)s, %(actor)s,
+           'attempt ' || attempts || %(message)s,
+           jsonb_build_object('action', %(id)s::bigint, 'key', %(key)s::text, 'attempt', attempts,
+                              'phase', 'attempted')
+    FROM marked
+)
+SELECT (SELECT state FROM job), (SELECT attempts FROM marked)
+"""
+
+# Record a confirmed action and complete its step: the row succeeded (its lease ended), the
+# job moved to the step's done state (its result written when that is terminal) with its
+# event and the step's memo (one per step: a memo written earlier stands), idle workers
+# woken when the job goes on. Fenced by the claim's token and by the job's state (locked);
+# nothing is written when either fails. One statement; the job's state comes back.
+RECORD_SUCCESS = f"""
+WITH job AS (
+    SELECT id, state FROM durable_job WHERE id = %(job)s FOR UPDATE
+), settled AS (
+    UPDATE durable_outbox AS o
+    SET status = 'succeeded', remote_id = %(remote_id)s, response_summary = %(summary)s,
+        last_error = '', version = o.version + 1, updated = statement_timestamp(),
+        next_attempt_at = NULL, lease_until = NULL, lease_owner = NULL
+    FROM job
+    WHERE o.id = %(id)s AND o.lease_token = %(token)s AND job.state = ANY(%(states)s::text[])
+    RETURNING job.state AS frm
+), moved AS (
+    UPDATE durable_job AS j
+    SET state = %(to)s, updated = statement_timestamp(), attempts = 0, lease_until = NULL,
+        lease_owner = NULL, wake_at = NULL, last_error = '',
+        next_run_at = CASE WHEN %(terminal)s THEN NULL ELSE statement_timestamp() END,
+        result = CASE WHEN %(terminal)s THEN %(memo)s::jsonb ELSE j.result END
+    FROM settled
+    WHERE j.id = %(job)s AND j.state = settled.frm
+    RETURNING settled.frm
+), event AS (
+    INSERT INTO durable_jobevent (job_id, at, kind, from_state, to_state, step, actor, message, data)
+    SELECT %(job)s, statement_timestamp(), 'step_done', frm, %(to)s, %(step)s, %(actor)s,
+           %(message)s, %(data)s::jsonb
+    FROM moved
+), memo AS (
+    INSERT INTO durable_stepresult (job_id, step, output, cost, duration, attempt, workflow, at)
+    SELECT %(job)s, %(step)s, %(memo)s::jsonb, %(cost)s, %(micros)s * interval '1 microsecond',
+           %(attempt)s, %(workflow)s, statement_timestamp()
+    FROM moved
+    ON CONFLICT DO NOTHING
+), woken AS (
+    SELECT pg_notify('{JOBS_CHANNEL}', %(workflow)s) FROM moved WHERE NOT %(terminal)s
+)
+SELECT (SELECT state FROM job), (SELECT count(*) FROM moved), (SELECT count(*) FROM woken)
+"""
+
+
+def _raw(db):
+    """Django's psycopg connection, set so that ``prepare=True`` prepares.
+
+    Django opens it with ``prepare_threshold=None`` (nothing is ever prepared, not even
+    on request). A threshold no query reaches keeps every other statement unprepared
+    while the hot statements, which ask for it, are prepared once per connection.
+    """
+    raw = db.connection
+    if raw.prepare_threshold is None and durable_settings.PREPARED_STATEMENTS:
+        raw.prepare_threshold = 1 << 30
+    return raw
+
+
+def _filters(workflows, queues, params):
+    text = ""
+    for column, values in (("workflow", workflows), ("queue", queues)):
+        if values:
+            text += FILTER.format(column=column)
+            params[f"{column}s"] = list(values)
+    return text
+
+
+class PostgresStore(Database):
+    """The store on PostgreSQL: each hot move one statement that commits itself."""
+
+    notifies = True
+    limits_connections = True
+
+    def execute(self, statement, params, db=None):
+        """Execute one statement on psycopg's own cursor; returns the cursor, its rows unread."""
+        import psycopg
+
+        db = db or connected()
+        raw = _raw(db)
+        with db.wrap_database_errors:
+            cursor = psycopg.Cursor(raw)
+            cursor.execute(statement, params, prepare=durable_settings.PREPARED_STATEMENTS)
+        return cursor
+
+    # The clock and waking -------------------------------------------------------------------
+
+    def now(self):
+        with connection.cursor() as cursor:
+            cursor.execute(NOW)
+            return cursor.fetchone()[0]
+
+    def seconds_until_due(self):
+        return self.execute(UNTIL_JOB_DUE, {}).fetchone()[0]
+
+    def notify(self, channel, payload=""):
+        """Wake idle processes listening on ``channel`` when the current transaction commits."""
+        with connection.cursor() as cursor:
+            cursor.execute(NOTIFY, {"channel": channel, "payload": payload})
+
+    # Jobs -----------------------------------------------------------------------------------
+
+    def claim_job(self, owner, lease_seconds, workflows=None, queues=None, starts=None, stopping=None):
+        """One statement (SKIP LOCKED: workers pass over each other's candidates)."""
+        return self._claimed(self.execute(*self.claim_statement(owner, lease_seconds, workflows, queues,
+                                                                 starts)), owner)
+
+    def claim_statement(self, owner, lease_seconds, workflows, queues, starts):
+        """The claim's text and parameters (``bench`` explains it)."""
+        params = {"owner": owner, "lease": float(lease_seconds), **(starts or NO_STARTS).arrays}
+        return CLAIM_JOB.format(filters=_filters(workflows, queues, params)), params
+
+    def _claimed(self, cursor, owner):
+        row = cursor.fetchone()
+        if row is None:
+            return None
+        return Claimed.of_row(row, owner, previous_owner=row[8], started_step=row[9])
+
+    def insert_job(self, *, key, workflow, version, queue, state, payload_json, run_after, submitted_by,
+                   message):
+        """One statement, its NOTIFY delivered exactly when the job commits."""
+        db = connected()
+        row = self.execute(INSERT_JOB, {
+            "id": key, "workflow": workflow, "version": version, "queue": queue, "state": state,
+            "payload": payload_json, "run_after": db.ops.adapt_datetimefield_value(run_after),
+            "by": submitted_by, "message": message,
+        }, db).fetchone()
+        return None if row is None else row[:3]
+
+    def renew_leases(self, held, lease_seconds):
+        params = {"lease": float(lease_seconds), "ids": [job for job, _ in held],
+                  "tokens": [int(token) for _, token in held]}
+        return {row[0] for row in self.execute(RENEW_LEASES, params).fetchall()}
+
+    def complete_step(self, claimed, path, commit, then_claim=None):
+        """One self-committing statement; with ``then_claim``, the claim after it in one transaction."""
+        db = connected()
+        if then_claim is None:
+            return self.execute(COMPLETE_STEP, _complete_params(claimed, path, commit), db).fetchone()[0] == 1, None
+        owner, workflows, queues, starts = then_claim
+        with transaction.atomic():
+            if self.execute(COMPLETE_STEP, _complete_params(claimed, path, commit), db).fetchone()[0] != 1:
+                return False, None
+            taken = self.execute(*self.claim_statement(owner, commit.lease_seconds, workflows, queues, starts),
+                                 db=db)
+            return True, self._claimed(taken, owner)
+
+    def commit_memo(self, claimed, state, lease_seconds, progress_json, c):
+        return self.execute(COMMIT_MEMO, {
+            "progress": progress_json, "lease": float(lease_seconds), "id": claimed.id,
+            "state": state, "token": claimed.lease_token, "key": c.key, "kind": c.kind,
+            "name": c.name, "seq": c.seq, "turn": c.turn, "fingerprint": c.fingerprint,
+            "output": c.output_json, "cost": c.cost, "input_tokens": c.input_tokens,
+            "output_tokens": c.output_tokens, "model": c.model, "micros": c.duration // MICROSECOND,
+            "attempt": c.attempt, "workflow": c.workflow,
+        }).rowcount == 1
+
+    # Outbox rows ------------------------------------------------------------------------------
+
+    def claim_actions(self, owner, lease_seconds, limit, rooms, full, room):
+        """One statement (SKIP LOCKED: dispatchers claim different rows at once)."""
+        names = [name for name, n in rooms.items() if n > 0]
+        extra = len(JOB_COLUMNS)
+        rows = self.execute(CLAIM_ACTIONS, {
+            "owner": owner, "lease": float(lease_seconds), "limit": int(limit), "full": full,
+            "names": names, "rooms": [int(rooms[name]) for name in names], "room": room,
+        }).fetchall()
+        return [ClaimedAction(row[:-extra], *row[-extra:]) for row in rows]
+
+    def mark_attempted(self, row, lease_seconds, previous, states, actor, message):
+        return tuple(self.execute(MARK_ATTEMPTED, {
+            "job": row.job_id, "id": row.id, "token": row.lease_token, "previous": previous,
+            "states": list(states), "lease": float(lease_seconds), "step": row.kind,
+            "actor": actor, "message": message, "key": row.idempotency_key,
+        }).fetchone())
+
+    def record_success(self, row, states, s):
+        state, moved, _ = self.execute(RECORD_SUCCESS, {
+            "job": row.job_id, "id": row.id, "token": row.lease_token, "states": list(states),
+            "remote_id": s.remote_id, "summary": s.summary, "to": s.done, "terminal": s.terminal,
+            "memo": s.memo_json, "step": row.kind, "actor": s.actor, "message": s.message,
+            "data": s.data_json, "cost": row.step_cost, "micros": row.step_duration // MICROSECOND,
+            "attempt": row.step_attempt, "workflow": row.workflow,
+        }).fetchone()
+        return (s.done, True) if moved else (state, False)
+
+    # What the reads ask -----------------------------------------------------------------------
+
+    def estimated_count(self, model, where="", params=(), db=None):
+        """From the statistics ANALYZE (and autovacuum) keep: a table's, or EXPLAIN's for ``where``."""
+        db = db or connection
+        table = db.ops.quote_name(model._meta.db_table)
+        with db.cursor() as cursor:
+            if not where:
+                cursor.execute("SELECT reltuples::bigint FROM pg_class WHERE oid = %s::regclass",
+                               [model._meta.db_table])
+                row = cursor.fetchone()
+                return int(row[0]) if row and row[0] is not None and row[0] >= 0 else None
+            cursor.execute(f"EXPLAIN (FORMAT JSON) SELECT 1 FROM {table} WHERE {where}", list(params))
+            plan = cursor.fetchone()[0]
+        if isinstance(plan, str):
+            plan = json.loads(plan)
+        return int(plan[0]["Plan"]["Plan Rows"])
+
+    def planned_count(self, queryset):
+        if not queryset.query.where:
+            return self.estimated_count(queryset.model)
+        plan = json.loads(queryset.order_by().values("pk").explain(format="json"))
+        return int(plan[0]["Plan"]["Plan Rows"])
+
+    def epoch(self, sql):
+        # date_part is double precision; EXTRACT is numeric, many times slower to sum.
+        return f"date_part('epoch', {sql})"
+
+    def state_pairs(self, db):
+        """Walked in one recursive query, one index probe per pair."""
+        table = db.ops.quote_name(Job._meta.db_table)
+        nxt = (f"FROM {table} j WHERE (j.workflow, j.state) > (t.workflow, t.state)"
+               " ORDER BY j.workflow, j.state LIMIT 1")
+        with db.cursor() as cursor:
+            cursor.execute(
+                "WITH RECURSIVE t(workflow, state) AS ("
+                f" SELECT * FROM (SELECT workflow, state FROM {table} ORDER BY workflow, state LIMIT 1) f"
+                f" UNION ALL SELECT (SELECT j.workflow {nxt}), (SELECT j.state {nxt})"
+                " FROM t WHERE t.workflow IS NOT NULL"
+                ") SELECT workflow, state FROM t WHERE workflow IS NOT NULL"
+            )
+            return [tuple(r) for r in cursor.fetchall()]
+
+
+def _complete_params(claimed, path, c):
+    return {
+        "to": path[-1], "attempts": 1 if c.keep else 0, "keep": c.keep,
+        "lease": float(c.lease_seconds), "terminal": c.terminal,
+        "result": c.output_json if c.terminal else None, "id": claimed.id, "frm": claimed.state,
+        "token": claimed.lease_token, "kind": c.kind, "step": c.step, "actor": c.actor,
+        "data": c.data_json, "output": c.output_json, "cost": c.cost,
+        "micros": c.duration // MICROSECOND, "attempt": c.attempt, "workflow": claimed.workflow,
+        "write_memo": c.write_memo,
+    }
