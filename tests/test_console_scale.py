@@ -17,7 +17,7 @@ from django.test.utils import CaptureQueriesContext
 
 from durable.models import CostMark, CostMinute, Job, MoveMinute
 from durable.reads import reports
-from durable.store import locking, memos, rollups
+from durable.store import ledger, locking, rollups
 from tests.conftest import wait_for
 from tests.test_console_support import PIPELINE, ago, make_job, make_memo
 
@@ -165,7 +165,7 @@ def test_runworkers_rolls_up_costs_and_moves(workers):
     proc = workers.start(processes=1, DURABLE_ROLLUP_INTERVAL="1")
     try:
         # The first passes catch up on the kept hours, one hour a pass, turn after turn.
-        caught_up = now - memos.MARGIN - datetime.timedelta(minutes=1)
+        caught_up = now - ledger.MARGIN - datetime.timedelta(minutes=1)
         mark = wait_for(lambda: CostMark.objects.filter(moves_through__gte=caught_up).first(),
                         timeout=60, message="the worker's roll-ups catching up")
     finally:

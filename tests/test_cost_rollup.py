@@ -9,7 +9,7 @@ from django.db.models import Sum
 
 from durable.models import CostMark, CostMinute, StepResult
 from durable.reads import reports
-from durable.store import locking, memos
+from durable.store import ledger, locking
 from tests.test_console_support import make_job, make_memo
 
 pytestmark = pytest.mark.django_db
@@ -20,7 +20,7 @@ def total_of_memos():
 
 
 def spent_total(now):
-    return sum((r["total"] for r in memos.spent(now - datetime.timedelta(days=2), now)), Decimal(0))
+    return sum((r["total"] for r in ledger.spent(now - datetime.timedelta(days=2), now)), Decimal(0))
 
 
 @pytest.fixture
@@ -40,11 +40,11 @@ def test_rolling_up_twice_counts_each_memo_once_and_matches_the_memos(day_of_mem
     now = day_of_memos
     expected = total_of_memos()
 
-    first = memos.roll_up(now)
+    first = ledger.roll_up_costs(now)
     rows = CostMinute.objects.count()
-    second = memos.roll_up(now)
+    second = ledger.roll_up_costs(now)
 
-    assert first == second == (now - memos.MARGIN).replace(second=0, microsecond=0)
+    assert first == second == (now - ledger.MARGIN).replace(second=0, microsecond=0)
     assert CostMinute.objects.count() == rows
     # The fresh memo (5 s old) is not rolled up yet; the readers add it from the memos.
     assert CostMinute.objects.aggregate(t=Sum("cost"))["t"] == expected - Decimal("0.5")
@@ -58,11 +58,11 @@ def test_the_reports_read_the_same_money_after_the_memos_are_purged_or_set_aside
     per_step = {(r["workflow"], r["step"]): r["total"] for r in reports.cost_per_step(now=now)}
     assert sum(per_step.values()) == expected
 
-    memos.roll_up(now)
-    rows = memos.set_aside("fresh", ["extract"])  # not rolled up yet: added to its minute
+    ledger.roll_up_costs(now)
+    rows = ledger.set_aside("fresh", ["extract"])  # not rolled up yet: added to its minute
     assert [r["step"] for r in rows] == ["extract"]
     with_kept = StepResult.objects.filter(job_id__in=["j-0", "j-1"])
-    memos.keep_costs(with_kept)  # rolled up already: kept as it is
+    ledger.keep_costs(with_kept)  # rolled up already: kept as it is
     with_kept.delete()
 
     assert spent_total(now) == expected
@@ -71,10 +71,10 @@ def test_the_reports_read_the_same_money_after_the_memos_are_purged_or_set_aside
 
 def test_a_run_without_a_memo_is_counted_at_its_minute(day_of_memos):
     now = day_of_memos
-    memos.record_spend("test_pipeline", "extract", Decimal("0.25"), datetime.timedelta(seconds=2), now)
+    ledger.record_spend("test_pipeline", "extract", Decimal("0.25"), datetime.timedelta(seconds=2), now)
 
     assert spent_total(now) == total_of_memos() + Decimal("0.25")
-    memos.roll_up(now + datetime.timedelta(minutes=10))  # rolls that minute's memos on top
+    ledger.roll_up_costs(now + datetime.timedelta(minutes=10))  # rolls that minute's memos on top
     assert spent_total(now + datetime.timedelta(minutes=10)) == total_of_memos() + Decimal("0.25")
 
 

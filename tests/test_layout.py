@@ -528,7 +528,8 @@ def test_a_planted_private_import_is_reported(copy):
 
 
 @pytest.mark.parametrize("module, target, message", [
-    ("store/memos.py", "..engine.worker", "never: store -> engine: durable.store.memos imports durable.engine.worker"),
+    ("store/ledger.py", "..engine.worker",
+     "never: store -> engine: durable.store.ledger imports durable.engine.worker"),
     ("store/locking.py", "..actions.outbox",
      "never: store -> actions: durable.store.locking imports durable.actions.outbox"),
     ("actions/destinations.py", "..engine.runner",

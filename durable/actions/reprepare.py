@@ -18,7 +18,7 @@ from ..core.identity import version_text
 from ..core.states import prepare_again_plan
 from ..models import StepResult
 from ..steps.context import Context
-from ..store import locking, memos
+from ..store import ledger, locking
 
 logger = logging.getLogger("durable.approvals")
 
@@ -57,6 +57,6 @@ def plan(job, step_name, approval, own_start):
 def carry_out(job, steps):
     """After the job moved: delete the stale memos (their costs stay in the rollups)."""
     if steps:
-        memos.set_aside(job.pk, steps)
+        ledger.set_aside(job.pk, steps)
         logger.info("job=%s memos of %s set aside: the proposal is prepared again from current"
                     " inputs", job.pk, ", ".join(steps))

@@ -210,7 +210,7 @@ class CostRollup(models.Model):
 class CostMinute(models.Model):
     """Money spent per minute, workflow and step: the memos rolled up, and runs without one.
 
-    ``durable.store.memos.roll_up`` adds the memos of every minute that has closed (with a
+    ``durable.store.ledger.roll_up_costs`` adds the memos of every minute that has closed (with a
     margin for transactions still committing) and moves ``CostMark`` forward; the
     dashboard and the cost report read these rows up to the mark and the memos after
     it, so a day of millions of memos is summed from a few thousand rows. Money spent

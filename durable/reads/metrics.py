@@ -74,7 +74,7 @@ class DurableCollector:
 
         # Everything ever spent (per-minute rollups, memos since, and the daily rollups
         # of memos purged before per-minute rollups existed): counters never go down.
-        from ..store.memos import spent
+        from ..store.ledger import spent
 
         done = {}
         for row in spent(datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC),

@@ -25,7 +25,7 @@ from ..core.states import StateKind
 from ..core.workflows import registry
 from ..models import CostRollup, EventKind, Job, JobEvent, Pause, StepResult
 from ..store import database, locking, rollups
-from ..store.memos import spent
+from ..store.ledger import spent
 from .alerts import Alert, alerts, oldest_unfinished, schedule_alerts  # noqa: F401 - the API
 from .failures import (  # noqa: F401 - the API
     FailureGroup,
@@ -353,7 +353,7 @@ def cost_per_step(*, now=None, window=COST_WINDOW, workflow=None):
     """Count, total and mean cost of the steps run in the window, per workflow and step.
 
     The article's query 4. Money is Decimal throughout. Read from the per-minute
-    rollups and the memos since (``durable.store.memos.spent``): whole minutes, so the window
+    rollups and the memos since (``durable.store.ledger.spent``): whole minutes, so the window
     starts at the minute ``now - window`` falls in. Replay previews count too.
     """
     now = now or locking.db_now()
@@ -370,7 +370,7 @@ def cost_per_step(*, now=None, window=COST_WINDOW, workflow=None):
 def cost_by_day(start, end, *, by="step", workflow=None):
     """Cost per day for each step (or workflow) of the steps run in ``[start, end)``.
 
-    Read from the per-minute rollups and the memos since (``durable.store.memos.spent``),
+    Read from the per-minute rollups and the memos since (``durable.store.ledger.spent``),
     plus the daily rollups that purge kept of memos deleted before per-minute rollups
     existed (whole days only). Replay previews count too.
 

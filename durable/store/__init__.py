@@ -3,7 +3,7 @@
 A state move is named (``moves``: ``hand_over``, ``run_again``, ``retry_at``, ...) and the
 move owns the lease and due columns it writes. The writes are ``locking``'s (a job's
 claim, commit, lease and transition), ``action_rows``'s (an outbox row's claim and the
-writes around its send), ``submission``, ``wakeups``, ``memos`` and ``rollups``.
+writes around its send), ``submission``, ``wakeups``, ``ledger`` and ``rollups``.
 
 A move whose statements differ between databases asks the database's class,
 ``database.of(connection)``: ``postgres.PostgresStore`` and ``sqlite.SqliteStore`` hold

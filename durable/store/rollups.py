@@ -2,7 +2,7 @@
 
 Two tables summarise what would otherwise be read row by row on every page view:
 
-- ``CostMinute``: memo costs per minute (``durable.store.memos.roll_up``; mark: ``CostMark`` row 1);
+- ``CostMinute``: memo costs per minute (``durable.store.ledger.roll_up_costs``; mark: ``CostMark`` row 1);
 - ``MoveMinute``: state moves per minute, from the event log (``roll_up_moves``; mark:
   ``CostMark.moves_through``),
   kept for ``MOVES_KEPT``: the dashboard's trend reads at most its longest window back.
@@ -13,7 +13,7 @@ become visible at commit). ``RollUps.maybe_run`` is what a worker calls from its
 at most one pass per ``DURABLE["ROLLUP_INTERVAL"]`` seconds, the first one a random
 part of that interval after the worker starts. ``manage.py durable purge`` and
 ``manage.py durable rollup`` run a pass too. A page never writes: it reads the rolled
-minutes up to the mark and the rows after it (``moves_since``, ``memos.spent``), so a
+minutes up to the mark and the rows after it (``moves_since``, ``ledger.spent``), so a
 mark that lags (no worker running) makes a page slower, never wrong.
 """
 
@@ -26,11 +26,11 @@ from django.db import DatabaseError, InterfaceError, connection, transaction
 from django.db.models import Count, F, Sum
 
 from ..models import CostMark, EventKind, Job, JobEvent, MoveMinute
-from . import database, locking, memos
+from . import database, ledger, locking
 
 logger = logging.getLogger("durable.rollups")
 
-MARGIN = memos.MARGIN
+MARGIN = ledger.MARGIN
 # The dashboard's longest trend window is six hours; a few minutes more are kept.
 MOVES_KEPT = datetime.timedelta(hours=6, minutes=10)
 # One pass rolls up at most this much of the event log (a short transaction even when
@@ -168,7 +168,7 @@ def _add_events(add, start, end, workflow, *, after=False):
 def roll_up(now=None, *, catch_up=True):
     """Every roll-up: memo costs, then state moves (all passes the moves need, or one)."""
     now = now or locking.db_now()
-    costs = memos.roll_up(now)
+    costs = ledger.roll_up_costs(now)
     moves = roll_up_moves(now)
     while catch_up and not caught_up(moves, now):
         moves = roll_up_moves(now)

@@ -30,7 +30,7 @@ from ..core.states import StateKind
 from ..core.workflows import registry
 from ..exceptions import OperatorError
 from ..models import EventKind, Job, StepResult
-from ..store import audit, locking, memos, moves
+from ..store import audit, ledger, locking, moves
 from . import jobs as services
 
 # How far back an output of the asking step is looked for, as the answer's shape.
@@ -221,7 +221,7 @@ def answer(job_id, value, *, user=None, reason=""):
         changed = changes(q.value, value)
         StepResult.objects.filter(job=job, step=q.step).delete()  # none: the step raised
         StepResult.objects.create(job=job, workflow=job.workflow, step=q.step, output=value,
-                                  duration=memos.ZERO, attempt=max(job.attempts, 1))
+                                  duration=ledger.ZERO, attempt=max(job.attempts, 1))
         said = ", ".join(f"{k} {b!r} → {a!r}" for k, (b, a) in changed.items()) or "as it was"
         _move(job, q.start, user, f"answered {q.step}: {said}. {reason}", "answer",
               {"step": q.step, "changed": changed})
@@ -241,7 +241,7 @@ def ask_again(job_id, *, step=None, user=None, reason=""):
                                 f"lets a person send it back to: {allowed}")
         names = [s.name for s in job.definition.steps]
         rerun = names[names.index(step or q.step):names.index(q.step) + 1]
-        set_aside = memos.set_aside(job.pk, rerun)
+        set_aside = ledger.set_aside(job.pk, rerun)
         # Recorded as a send back: the move it is, which a step may look for in the history.
         _move(job, target, user, f"run {' → '.join(rerun)} again. {reason}", "send back",
               {"steps": rerun, "set_aside": set_aside})

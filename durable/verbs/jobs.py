@@ -38,7 +38,7 @@ from ..steps import inbox
 from ..steps.children import terminal_q
 from ..steps.context import Context
 from ..store import audit, locking, moves
-from ..store.memos import record_spend
+from ..store.ledger import record_spend
 from ..store.submission import submit
 from .purge import Purged, parse_age, purge, purgeable
 

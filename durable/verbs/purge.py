@@ -15,7 +15,7 @@ from ..conf import durable_settings
 from ..core.workflows import registry
 from ..models import Job, Outbox, ScheduleEvent, StepResult
 from ..store import locking
-from ..store.memos import keep_costs as keep_memo_costs
+from ..store.ledger import keep_costs as keep_memo_costs
 
 _AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
@@ -66,7 +66,7 @@ def purge(older_than, *, batch_size=500, keep_costs=None, workflow=None, dry_run
     actions, approvals and events go with them, one short transaction per batch, so
     workers and the console are never blocked for long. With ``keep_costs`` (default
     DURABLE["PURGE_KEEP_COSTS"]) the memos' costs stay in the per-minute rollups
-    (``durable.store.memos``) the cost report reads, in the same transaction as the delete.
+    (``durable.store.ledger``) the cost report reads, in the same transaction as the delete.
     """
     if isinstance(older_than, str):
         older_than = parse_age(older_than)

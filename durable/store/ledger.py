@@ -1,14 +1,14 @@
-"""Money, summed fast: memos rolled up per minute, and memos that stop being current.
+"""The cost ledger: the money memos record, summed per minute, and memos that stop being current.
 
 Every memo records what its step cost. Summing a day of them (millions of rows on a
 busy deployment) is too slow for a page an operator opens during an incident, so
-``roll_up`` adds the memos of each closed minute into ``CostMinute`` rows and moves
+``roll_up_costs`` adds the memos of each closed minute into ``CostMinute`` rows and moves
 ``CostMark.through`` forward; readers (the dashboard, the cost report, metrics) sum
 the minutes before the mark and the few memos after it (``spent``). Rolling up is
 incremental and idempotent, under a row lock, so each memo is counted once. It is done
-on the write side, never by a page: by the workers about once a minute
-(``durable.store.rollups``), by ``manage.py durable purge`` and ``manage.py durable rollup``.
-Readers only read: the memos after the mark are one range of the (at, …) index.
+on the write side, never by a page: by the workers about once a minute, with the
+state moves' roll-up (``durable.store.rollups.roll_up``), by ``manage.py durable purge``
+and ``manage.py durable rollup``. Readers only read: the memos after the mark are one range of the (at, …) index.
 
 A memo is never paid for twice, so it is deleted only when it must not be reused: its
 job is purged, or a proposal is prepared again from current inputs and the steps it
@@ -59,7 +59,7 @@ def _grouped(memos):
     )
 
 
-def roll_up(now=None):
+def roll_up_costs(now=None):
     """Add the memos of every minute closed (less MARGIN) since the mark; return the new mark."""
     now = now or locking.db_now()
     upto = _minute(now - MARGIN)
