@@ -48,6 +48,30 @@ def check_database_timeouts(app_configs, **kwargs):
 
 
 @checks.register()
+def check_unacked_bound(app_configs, **kwargs):
+    """A send's unacknowledged bound that is not below the lease lets a frozen send arrive late."""
+    import socket
+
+    value, lease = durable_settings.DISPATCH_UNACKED_SECONDS, durable_settings.LEASE_SECONDS
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value < 0
+                              or (value and value >= lease)):
+        return [checks.Error(
+            f"DURABLE['DISPATCH_UNACKED_SECONDS'] must be None, 0 or a number of seconds below"
+            f" LEASE_SECONDS ({lease}); got {value!r}.",
+            hint="Leave it None (LEASE_SECONDS - LEASE_MARGIN_SECONDS): a request a frozen dispatcher"
+                 " still holds must be dropped before another dispatcher may send it again.",
+            id="durable.E042")]
+    if value != 0 and not hasattr(socket, "TCP_USER_TIMEOUT"):
+        return [checks.Warning(
+            "This platform cannot bound how long a send waits unacknowledged (no TCP_USER_TIMEOUT):"
+            " a request held by a frozen dispatcher could arrive after another one resent it.",
+            hint="Run dispatchers on Linux, or send to destinations that deduplicate by the"
+                 " Idempotency-Key.",
+            id="durable.W014")]
+    return []
+
+
+@checks.register()
 def check_threads(app_configs, **kwargs):
     """THREADS and MAX_ABANDONED_THREADS that are not whole numbers in range."""
     problems = []

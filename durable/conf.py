@@ -71,6 +71,11 @@ DEFAULTS = {
     # Each destination's own cap is its CONCURRENCY option (default: every slot).
     "DISPATCH_SLOW_CONCURRENCY": 1,
     "HTTP_TIMEOUT": (3.05, 10.0),
+    # How long a send's bytes may stay unacknowledged in the kernel before it drops the
+    # connection (TCP_USER_TIMEOUT, Linux). Below every send's lease, so a request held by
+    # a cut-off or frozen dispatcher (SIGSTOP, a paused VM) cannot arrive after another
+    # dispatcher took its row over. None: LEASE_SECONDS - LEASE_MARGIN_SECONDS; 0: not set.
+    "DISPATCH_UNACKED_SECONDS": None,
     # Bounded lookups of an unknown action before it waits for an operator.
     "LOOKUP_ATTEMPTS": 5,
     # Named action destinations: {"crm": {"CLASS": "durable.destinations.HttpDestination", ...}}.

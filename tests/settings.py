@@ -55,6 +55,9 @@ DURABLE = {
     "WORKER_HEARTBEAT_SECONDS": float(os.environ.get("DURABLE_WORKER_HEARTBEAT", 5)),
     "DB_CONNECT_TIMEOUT": float(os.environ.get("DURABLE_DB_CONNECT_TIMEOUT", 10)),
     "DB_DEAD_AFTER": float(os.environ.get("DURABLE_DB_DEAD_AFTER", 20)),
+    # The frozen-send drill turns the bound off (0) to show the duplicate it prevents.
+    "DISPATCH_UNACKED_SECONDS": (float(os.environ["DURABLE_DISPATCH_UNACKED_SECONDS"])
+                                 if os.environ.get("DURABLE_DISPATCH_UNACKED_SECONDS") else None),
     # The schedule drills hand their schedules to the worker processes they start.
     "SCHEDULES": json.loads(os.environ.get("DURABLE_TEST_SCHEDULES", "{}")),
     # Agent drills hand their destinations and the model price table to their workers.

@@ -151,3 +151,17 @@ def test_sqlite_on_a_local_disk_passes(tmp_path, monkeypatch):
 def test_postgresql_is_never_warned_about(tmp_path, monkeypatch):
     monkeypatch.setattr(checks, "MOUNTINFO", mountinfo(tmp_path, ("/", "nfs")))
     assert checks.check_sqlite_filesystem(None) == []
+
+
+@pytest.mark.parametrize("value", [60, 75, -1, "10", True])
+def test_an_unacknowledged_bound_not_below_the_lease_or_not_a_number_is_an_error(settings, value):
+    settings.DURABLE = {**getattr(settings, "DURABLE", {}), "LEASE_SECONDS": 60, "DISPATCH_UNACKED_SECONDS": value}
+    found = checks.check_unacked_bound(None)
+    assert [p.id for p in found] == ["durable.E042"]
+    assert "below LEASE_SECONDS (60)" in found[0].msg
+
+
+@pytest.mark.parametrize("value", [None, 0, 30, 59.5])
+def test_an_unacknowledged_bound_below_the_lease_or_left_to_its_default_passes(settings, value):
+    settings.DURABLE = {**getattr(settings, "DURABLE", {}), "LEASE_SECONDS": 60, "DISPATCH_UNACKED_SECONDS": value}
+    assert checks.check_unacked_bound(None) == []

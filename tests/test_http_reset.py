@@ -28,3 +28,42 @@ def test_every_connection_the_destination_opens_resets_on_close_instead_of_retra
         # The usual options are kept beside it.
         assert conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
         conn.close()
+
+
+def _fresh_connection(receiver):
+    session = destinations.session()
+    pool = session.get_adapter(receiver.url).poolmanager.connection_from_url(receiver.url)
+    conn = pool._new_conn()
+    conn.connect()
+    return conn
+
+
+def test_a_sends_bytes_may_wait_unacknowledged_only_until_just_before_the_shortest_send_lease(settings):
+    """A frozen dispatcher closes nothing: the kernel drops its unacknowledged request itself.
+
+    ``TCP_USER_TIMEOUT`` is LEASE_SECONDS - LEASE_MARGIN_SECONDS by default, below every
+    send's lease, so no request of a dispatcher cut off and frozen mid-send can arrive
+    after another dispatcher took its row over (``tests/drills/test_frozen_send.py``).
+    """
+    settings.DURABLE = {**getattr(settings, "DURABLE", {}), "LEASE_SECONDS": 40, "LEASE_MARGIN_SECONDS": 4}
+    destinations._sessions.clear()
+    try:
+        with Receiver() as receiver:
+            conn = _fresh_connection(receiver)
+            assert conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 36_000
+            conn.close()
+    finally:
+        destinations._sessions.clear()
+
+
+def test_the_unacknowledged_bound_follows_its_setting_and_zero_leaves_the_kernels_default(settings):
+    for value, expected in ((12.5, 12_500), (0, 0)):
+        settings.DURABLE = {**getattr(settings, "DURABLE", {}), "DISPATCH_UNACKED_SECONDS": value}
+        destinations._sessions.clear()
+        try:
+            with Receiver() as receiver:
+                conn = _fresh_connection(receiver)
+                assert conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == expected
+                conn.close()
+        finally:
+            destinations._sessions.clear()

@@ -174,6 +174,28 @@ _session_lock = threading.Lock()
 _LINGER_ZERO = (socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
 
+def unacked_seconds():
+    """How long a send's bytes may wait unacknowledged in the kernel (0: not bounded).
+
+    Below the shortest send lease (``LEASE_SECONDS``; a send's lease is never shorter),
+    so by the time another dispatcher may take a row over, the kernel has dropped any
+    request of the first one's that the receiver never acknowledged.
+    """
+    value = durable_settings.DISPATCH_UNACKED_SECONDS
+    if value is None:
+        value = float(durable_settings.LEASE_SECONDS) - float(durable_settings.LEASE_MARGIN_SECONDS)
+    return max(0.0, float(value))
+
+
+def send_socket_options():
+    """The options every send's socket gets: a reset on close, and the unacknowledged bound."""
+    options = [*urllib3.connection.HTTPConnection.default_socket_options, _LINGER_ZERO]
+    seconds = unacked_seconds()
+    if seconds and hasattr(socket, "TCP_USER_TIMEOUT"):
+        options.append((socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1, int(seconds * 1000))))
+    return options
+
+
 @functools.cache
 def _resetting_adapter():
     from requests.adapters import HTTPAdapter
@@ -186,12 +208,13 @@ def _resetting_adapter():
         the network heals the receiver applies it: after our lookup found nothing and the
         action was resent, which is a duplicate at a receiver without idempotency. A reset
         discards it, so when ``dispatch`` returns "unknown", the request either arrived
-        already (a lookup finds it) or never will.
+        already (a lookup finds it) or never will. A dispatcher frozen before it closes
+        the socket closes nothing: the kernel's own bound (``TCP_USER_TIMEOUT``, below the
+        send's lease) drops the request before another dispatcher may take the row over.
         """
 
         def init_poolmanager(self, *args, **kwargs):
-            kwargs["socket_options"] = [*urllib3.connection.HTTPConnection.default_socket_options,
-                                        _LINGER_ZERO]
+            kwargs["socket_options"] = send_socket_options()
             super().init_poolmanager(*args, **kwargs)
 
     return _ResettingAdapter
