@@ -2,6 +2,7 @@ import os
 
 import pytest
 
+from . import netlab
 from .drills import SIZES
 from .lab import Lab
 
@@ -32,3 +33,12 @@ def assert_targets(row, **allowed):
     """Fail with the whole row (and its notes) when it misses a target."""
     problems = row.problems(parked_ok=allowed.get("parked_ok", False))
     assert not problems, f"{row.drill}: {'; '.join(problems)}\n{row}\n" + "\n".join(row.notes)
+
+
+@pytest.fixture
+def lab_available():
+    reason = netlab.unavailable()
+    if reason:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true but the partition lab cannot run: {reason}")
+        pytest.skip(reason)

@@ -269,3 +269,37 @@ class NetLab:
         result = subprocess.run([*self.exec_prefix(host), "python3", "-c", probe, address, str(port)],
                                 capture_output=True)
         return result.returncode == 0
+
+
+def run_drill_child(module, workdir, name, args=(), timeout=900):
+    """Run ``python -m module`` (a drill that needs a Django of its own) and return its JSON result.
+
+    The child writes ``<name>.json`` and logs to ``<name>.log`` in ``workdir``; a child
+    that writes no result raises with the tail of its log. A timeout, Ctrl-C or the test
+    runner's own timeout lets the child clean up its namespaces first.
+    """
+    import json
+    import sys
+
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    out = workdir / f"{name}.json"
+    with open(workdir / f"{name}.log", "wb") as log:
+        child = subprocess.Popen([sys.executable, "-m", module, "--workdir", str(workdir), "--json", str(out),
+                                  *args], cwd=Path(__file__).resolve().parent.parent.parent,
+                                 stdout=log, stderr=subprocess.STDOUT)
+        try:
+            returncode = child.wait(timeout)
+        except BaseException:
+            child.terminate()
+            try:
+                child.wait(60)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+            raise
+    text = out.read_text() if out.exists() else ""
+    if not text:
+        tail = (workdir / f"{name}.log").read_text(errors="replace")[-4000:]
+        raise RuntimeError(f"the {name} drill exited with {returncode}:\n{tail}")
+    return json.loads(text)

@@ -479,31 +479,8 @@ def run_in_subprocess(size, workdir, timeout=900, threads=None):
     """Run the drill in a child process (it needs a Django of its own); return (rows, skip reason)."""
     from .counts import Counts
 
-    workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    out = workdir / "partition.json"
-    with open(workdir / "partition.log", "wb") as log:
-        child = subprocess.Popen(
-            [sys.executable, "-m", "tests.drills.partition", "--size", size, "--workdir",
-             str(workdir), "--json", str(out), *(["--threads", str(threads)] if threads else [])],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-        )
-        try:
-            returncode = child.wait(timeout)
-        except BaseException:
-            # A timeout, Ctrl-C, the test runner's own timeout: let the child clean up.
-            child.terminate()
-            try:
-                child.wait(60)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
-            raise
-    text = out.read_text() if out.exists() else ""
-    if not text:
-        tail = (workdir / "partition.log").read_text(errors="replace")[-4000:]
-        raise RuntimeError(f"the partition drill exited with {returncode}:\n{tail}")
-    data = json.loads(text)
+    data = netlab.run_drill_child("tests.drills.partition", workdir, "partition",
+                                  ["--size", size, *(["--threads", str(threads)] if threads else [])], timeout)
     if "skipped" in data:
         return [], data["skipped"]
     return [Counts(**data["row"])], None

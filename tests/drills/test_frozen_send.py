@@ -42,7 +42,6 @@ import re
 import signal
 import socket
 import struct
-import subprocess
 import sys
 import tempfile
 import time
@@ -54,7 +53,7 @@ from durable.conf import DEFAULTS
 from tests.conftest import ON_POSTGRES
 
 from . import netlab
-from .partition import ROOT, SERVER_SETTINGS
+from .partition import SERVER_SETTINGS
 
 pytestmark = [
     pytest.mark.crash,
@@ -76,15 +75,6 @@ HEAL_WAIT = 20.0
 RETRANSMISSION_DUE = 14.0
 ESTABLISHED = 1  # /proc/net/tcp's state code
 DISPATCHER = re.compile(r"started dispatcher0 pid=(\d+)")
-
-
-@pytest.fixture
-def lab_available():
-    reason = netlab.unavailable()
-    if reason:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true but the partition lab cannot run: {reason}")
-        pytest.skip(reason)
 
 
 def assert_fenced(result):
@@ -338,30 +328,8 @@ def run_in_subprocess(workdir, unacked=None, timeout=240):
 
     Skips the calling test when the child found the lab unavailable.
     """
-    workdir = Path(workdir)
-    out = workdir / "frozen_send.json"
-    with open(workdir / "frozen_send.log", "wb") as log:
-        child = subprocess.Popen(
-            [sys.executable, "-m", "tests.drills.test_frozen_send", "--workdir", str(workdir),
-             "--json", str(out), *(["--unacked", str(unacked)] if unacked is not None else [])],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-        )
-        try:
-            returncode = child.wait(timeout)
-        except BaseException:
-            # A timeout, Ctrl-C, the test runner's own timeout: let the child clean up.
-            child.terminate()
-            try:
-                child.wait(60)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
-            raise
-    text = out.read_text() if out.exists() else ""
-    if not text:
-        tail = (workdir / "frozen_send.log").read_text(errors="replace")[-4000:]
-        raise RuntimeError(f"the frozen-send drill exited with {returncode}:\n{tail}")
-    result = json.loads(text)
+    result = netlab.run_drill_child("tests.drills.test_frozen_send", workdir, "frozen_send",
+                                    ["--unacked", str(unacked)] if unacked is not None else [], timeout)
     if "skipped" in result:
         pytest.skip(result["skipped"])
     return result

@@ -5,13 +5,11 @@ it needs root; without it the test skips with the reason, except under ``CI=true
 where a lab that cannot be built is a failure.
 """
 
-import os
 
 import pytest
 
 from tests.conftest import ON_POSTGRES
 
-from . import netlab
 from .conftest import THREADS, assert_targets
 from .partition import problems, run_in_subprocess
 
@@ -21,15 +19,6 @@ pytestmark = [
     # The lab brings its own cluster; running it once, in the PostgreSQL leg, is enough.
     pytest.mark.skipif(not ON_POSTGRES, reason="runs in the PostgreSQL leg (DURABLE_TEST_DATABASE=postgres)"),
 ]
-
-
-@pytest.fixture
-def lab_available():
-    reason = netlab.unavailable()
-    if reason:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true but the partition lab cannot run: {reason}")
-        pytest.skip(reason)
 
 
 @pytest.mark.parametrize("threads", [p.values[0] for p in THREADS], ids=[p.id for p in THREADS])
