@@ -51,6 +51,11 @@ DURABLE = {
     "BACKOFF_CAP": float(os.environ.get("DURABLE_BACKOFF_CAP", 300.0)),
     "POLL_INTERVAL": float(os.environ.get("DURABLE_POLL_INTERVAL", 0.2)),
     "SHUTDOWN_GRACE": 10.0,
+    # Steps in flight per worker process unless a test asks for more (--threads): each is a
+    # database connection, and the PostgreSQL leg runs four test processes, each starting
+    # fleets of its own, against one server's 100 connections (8 threads, the default,
+    # made a two-process fleet hold 23 of them idle; 2 make it 11).
+    "THREADS": int(os.environ.get("DURABLE_TEST_THREADS", 2)),
     "ROLLUP_INTERVAL": float(os.environ.get("DURABLE_ROLLUP_INTERVAL", 60)),
     "WORKER_HEARTBEAT_SECONDS": float(os.environ.get("DURABLE_WORKER_HEARTBEAT", 5)),
     "DB_CONNECT_TIMEOUT": float(os.environ.get("DURABLE_DB_CONNECT_TIMEOUT", 10)),
