@@ -227,9 +227,19 @@ class Lab:
         self.killed.add(pid)
         return True
 
-    def pause(self, pid):
+    def pause(self, pid, timeout=10.0):
+        """SIGSTOP ``pid`` and return once every thread of it has stopped.
+
+        The signal is delivered asynchronously: on a busy machine the process may run on
+        for a moment after kill() returns, long enough to begin a transaction (a lease
+        renewal) and then stop holding SQLite's write lock. Whoever checks what the
+        stopped process holds must look only once it has stopped.
+        """
         os.kill(pid, signal.SIGSTOP)
         self.paused.add(pid)
+        deadline = time.monotonic() + timeout
+        while not _stopped(pid) and time.monotonic() < deadline:
+            time.sleep(0.005)
 
     def resume(self, pid):
         os.kill(pid, signal.SIGCONT)
@@ -348,3 +358,21 @@ class Pool:
             except subprocess.TimeoutExpired:
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.wait(10)
+
+
+def _stopped(pid):
+    """Whether every thread of ``pid`` is stopped (or gone): state T or t in /proc/<pid>/task/*/stat."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return True
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                # The state follows the command name, which is in parentheses and may hold spaces.
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, IndexError):
+            continue
+        if state not in ("T", "t"):
+            return False
+    return True
