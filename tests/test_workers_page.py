@@ -91,8 +91,10 @@ def test_a_process_publishes_its_row_marks_its_drain_and_deletes_the_row_when_it
                        message="the process's row")
         assert (row.host, row.pid, row.draining_since) == (presence.host, os.getpid(), None)
         assert row.slots == doing and row.info["beat"] == 0.1
-        # A row silent for longer than WORKER_FORGET_SECONDS is deleted by a live process.
-        assert not WorkerProcess.objects.filter(pk="gone:1:worker:ff").exists()
+        # A row silent for longer than WORKER_FORGET_SECONDS is deleted by a live process
+        # (in the beat that wrote its own row, right after it).
+        wait_for(lambda: not WorkerProcess.objects.filter(pk="gone:1:worker:ff").exists(),
+                 message="the forgotten row deleted")
         doing = [{"slot": "main", "job": "", "step": "", "for": 0.0}]
         wait_for(lambda: WorkerProcess.objects.get(pk=presence.id).slots == doing,
                  message="the next heartbeat's slots")
