@@ -308,22 +308,28 @@ def _late_commits(cut):
     return late
 
 
+def lab_receiver(lab, net, read_timeout=READ_TIMEOUT):
+    """A receiver without idempotency (lookups on) in the svc namespace, and the workers' env for it."""
+    from durable.testing import ReceiverProcess
+
+    receiver = ReceiverProcess(lab.workdir / "receiver.jsonl", idempotent=False, lookup=True,
+                               host=net.receiver_address, port=netlab.RECEIVER_PORT,
+                               prefix=net.exec_prefix("svc")).start()
+    return receiver, {
+        "DURABLE_TEST_POSTGRES_URL": net.database_url(),
+        "DURABLE_TEST_RECEIVER_URL": receiver.url, "DURABLE_TEST_RECEIVER_IDEMPOTENT": "0",
+        "DURABLE_TEST_RECEIVER_LOOKUP": "1", "DURABLE_TEST_RECEIVER_READ_TIMEOUT": read_timeout,
+    }
+
+
 def partition_drill(lab, net, size):
     """Run every round of cuts, heal, settle and count: one row."""
-    from durable.testing import ReceiverProcess
 
     from .counts import count
     from .drills import _effects
 
     began = time.monotonic()
-    receiver = ReceiverProcess(lab.workdir / "receiver.jsonl", idempotent=False, lookup=True,
-                               host=net.receiver_address, port=netlab.RECEIVER_PORT,
-                               prefix=net.exec_prefix("svc")).start()
-    env = {
-        "DURABLE_TEST_POSTGRES_URL": net.database_url(),
-        "DURABLE_TEST_RECEIVER_URL": receiver.url, "DURABLE_TEST_RECEIVER_IDEMPOTENT": "0",
-        "DURABLE_TEST_RECEIVER_LOOKUP": "1", "DURABLE_TEST_RECEIVER_READ_TIMEOUT": READ_TIMEOUT,
-    }
+    receiver, env = lab_receiver(lab, net)
     hosts = None
     cuts = []
     try:

@@ -53,7 +53,7 @@ from durable.conf import DEFAULTS
 from tests.conftest import ON_POSTGRES
 
 from . import netlab
-from .partition import SERVER_SETTINGS
+from .partition import SERVER_SETTINGS, lab_receiver
 
 pytestmark = [
     pytest.mark.crash,
@@ -158,20 +158,13 @@ def frozen_send(lab, net):
     import durable
     from durable.actions import destinations
     from durable.models import JobEvent, Outbox, OutboxStatus
-    from durable.testing import ReceiverProcess, read_store
+    from durable.testing import read_store
 
     from .partition import _wait
 
     began = time.monotonic()
     peer = (net.receiver_address, netlab.RECEIVER_PORT)
-    receiver = ReceiverProcess(lab.workdir / "receiver.jsonl", idempotent=False, lookup=True,
-                               host=net.receiver_address, port=netlab.RECEIVER_PORT,
-                               prefix=net.exec_prefix("svc")).start()
-    env = {
-        "DURABLE_TEST_POSTGRES_URL": net.database_url(),
-        "DURABLE_TEST_RECEIVER_URL": receiver.url, "DURABLE_TEST_RECEIVER_IDEMPOTENT": "0",
-        "DURABLE_TEST_RECEIVER_LOOKUP": "1", "DURABLE_TEST_RECEIVER_READ_TIMEOUT": READ_TIMEOUT,
-    }
+    receiver, env = lab_receiver(lab, net, READ_TIMEOUT)
     result = {"unacked_seconds": destinations.unacked_seconds()}
     times = result["seconds"] = {}
     try:
