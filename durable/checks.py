@@ -75,15 +75,28 @@ def check_unacked_bound(app_configs, **kwargs):
 def check_threads(app_configs, **kwargs):
     """THREADS and MAX_ABANDONED_THREADS that are not whole numbers in range."""
     problems = []
-    for name, least in (("THREADS", 1), ("MAX_ABANDONED_THREADS", 0)):
+    ids = {"THREADS": "durable.E040", "MAX_ABANDONED_THREADS": "durable.E041",
+           "CONNECTIONS": "durable.E043"}
+    for name, least in (("THREADS", 1), ("MAX_ABANDONED_THREADS", 0), ("CONNECTIONS", 2)):
         value = getattr(durable_settings, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             problems.append(checks.Error(
                 f"DURABLE['{name}'] must be a whole number of at least {least}; got {value!r}.",
                 hint="See the configuration reference in the README.",
-                id="durable.E040" if name == "THREADS" else "durable.E041",
+                id=ids[name],
             ))
     return problems
+
+
+@checks.register(checks.Tags.database)
+def check_connection_budget(app_configs, databases=None, **kwargs):
+    """processes x connections that cannot fit the server's max_connections (manage.py check --database default)."""
+    if not databases or "default" not in databases:
+        return []
+    from .engine.connections import connection_budget
+
+    problem = connection_budget()
+    return [] if problem is None else [problem]
 
 
 @checks.register(checks.Tags.database)

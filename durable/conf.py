@@ -49,16 +49,21 @@ DEFAULTS = {
     "SHUTDOWN_GRACE": 30.0,
     # Default number of worker processes (None: the CPU count).
     "PROCESSES": None,
-    # Steps in flight per worker process (runworkers --threads): each thread claims and
-    # runs its own job on its own database connection. 8, because the work durable
-    # exists for waits: a model SDK or HTTP call blocks on the network for seconds and
-    # releases the GIL meanwhile, so one process keeps 8 calls in flight for the memory
-    # of one; and because every thread holds a PostgreSQL connection (plus about 2 per
-    # process for the lease renewal and LISTEN), so processes x (threads + 2) must fit
-    # the server's max_connections (100 by default) beside the site's own: 4 processes
-    # x 8 threads is 40. Raise it for steps that mostly wait; 1 runs one job per
+    # Runs in flight per worker process (runworkers --threads): each is a thread that
+    # claims and runs its own job. The work durable exists for waits: a model, tool or
+    # HTTP call blocks on the network for seconds and releases the GIL meanwhile, so a
+    # process keeps hundreds of calls in flight for little memory. 8 by default; raise it
+    # for agents and steps that mostly wait (hundreds per process); 1 runs one job per
     # process, as for CPU-bound steps.
     "THREADS": 8,
+    # PostgreSQL connections a worker process uses at most (runworkers --connections), and
+    # a dispatcher process too. When its threads (THREADS, and the lease renewal's and the
+    # group commit's) are more, they share a pool of this many and hold one only while
+    # they talk to the database (a claim, a commit, a renewal), never while they wait on
+    # a call; agents' memos share one group commit per process. LISTEN takes one more.
+    # So a deployment needs about processes x (CONNECTIONS + 1) of the server's
+    # max_connections, whatever THREADS is (manage.py check --database default says).
+    "CONNECTIONS": 10,
     # A thread whose step ran past its timeout cannot be stopped: its step is recorded
     # as a retryable failure, a new thread takes its place, and once more than this
     # many such threads are still running the process drains and is replaced.
@@ -180,6 +185,24 @@ def bound_database_connections(connections_=None):
             target = settings_dict.setdefault("OPTIONS", {})
             for key, value in options.items():
                 target.setdefault(key, value)
+
+
+def connections_needed(processes, threads=None, connections=None, dispatchers=1):
+    """The most PostgreSQL connections ``runworkers`` holds: ``(total, what it is made of)``.
+
+    A worker process: its threads' connections (the runs', the lease renewal's and the
+    group commit's), at most CONNECTIONS, plus LISTEN's. A dispatcher the same with its
+    sending threads (DISPATCH_BATCH_SIZE). The supervisor: one, for the workers page.
+    """
+    threads = int(threads or durable_settings.THREADS)
+    connections = int(connections or durable_settings.CONNECTIONS)
+    worker = min(threads + 2, connections) + 1
+    dispatcher = min(int(durable_settings.DISPATCH_BATCH_SIZE) + 2, connections) + 1
+    total = processes * worker + dispatchers * dispatcher + 1
+    parts = f"{processes} worker process{'es' if processes != 1 else ''} x {worker}"
+    if dispatchers:
+        parts += f" + {dispatchers} dispatcher{'s' if dispatchers != 1 else ''} x {dispatcher}"
+    return total, parts + " + 1 supervisor"
 
 
 class DurableSettings:

@@ -9,3 +9,7 @@ step_started = Signal()
 step_finished = Signal()
 # A job reached a terminal state: job_id, state.
 job_finished = Signal()
+# A worker process committed agents' memos in one transaction (sender: None): rows, how many
+# were refused (their lease was gone), seconds (the transaction), waited (seconds each row
+# waited from its hand-over to its answer). Sent only when something listens.
+memos_committed = Signal()

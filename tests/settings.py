@@ -56,6 +56,7 @@ DURABLE = {
     # fleets of its own, against one server's 100 connections (8 threads, the default,
     # made a two-process fleet hold 23 of them idle; 2 make it 11).
     "THREADS": int(os.environ.get("DURABLE_TEST_THREADS", 2)),
+    "CONNECTIONS": int(os.environ.get("DURABLE_TEST_CONNECTIONS", 10)),
     "ROLLUP_INTERVAL": float(os.environ.get("DURABLE_ROLLUP_INTERVAL", 60)),
     "WORKER_HEARTBEAT_SECONDS": float(os.environ.get("DURABLE_WORKER_HEARTBEAT", 5)),
     "DB_CONNECT_TIMEOUT": float(os.environ.get("DURABLE_DB_CONNECT_TIMEOUT", 10)),

@@ -223,6 +223,8 @@ class AgentRun:
                 f" recorded, while an earlier run went on to {left[0].key} ({left[0].describe()}):"
                 " the code changed (guard new calls with ctx.patched(...))"
             )
+        if self.seat.release is not None:
+            self.seat.release()  # a model, tool or HTTP call waits: on no connection
         began = time.monotonic()
         output, extra = produce()
         duration = datetime.timedelta(seconds=time.monotonic() - began)
@@ -242,7 +244,7 @@ class AgentRun:
         lease = self.seat.lease_seconds
         faults.point("agent_before_memo")
         renewed_at = time.monotonic()
-        ok = locking.commit_memo(
+        ok = (self.seat.commit_memo or locking.commit_memo)(
             self.claimed, RUNNING, lease, json.dumps({"turn": turn, "key": key, "calls": self.seq}),
             locking.MemoCommit(
                 key=key, kind=str(kind), name=name[:100], seq=self.seq, turn=turn,

@@ -18,6 +18,10 @@ class Seat:
     lease_seconds: float
     heartbeat: object = None  # renews the lease and enforces the step timeout (None: inline)
     on_timeout: Callable = None
+    # ``locking.commit_memo``'s equal that groups the memos of the process's runs (None: alone).
+    commit_memo: Callable = None
+    # Gives the thread's database connection back before the run waits (None: it keeps it).
+    release: Callable = None
 
 
 @dataclass(frozen=True)

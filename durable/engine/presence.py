@@ -132,8 +132,10 @@ def supervisor_of(pid):
 def of_loop(role, loop, parent_pid=None):
     """The presence of a worker's or dispatcher's loop (``activity()``, ``stopping``, ``name``)."""
     info = {key: getattr(loop, key, None) for key in ("threads", "workflows", "queues", "burst")}
+    # A loop whose threads share few connections: this thread holds none between beats.
     return Presence(role, name=loop.name, parent=supervisor_of(parent_pid) if parent_pid else "",
-                    info=info, activity=loop.activity, draining=lambda: loop.stopping)
+                    info=info, activity=loop.activity, draining=lambda: loop.stopping,
+                    reconnect=bool(getattr(loop, "sharing", False)))
 
 
 __all__ = ["Presence", "of_loop", "supervisor_of"]

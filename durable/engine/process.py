@@ -65,8 +65,10 @@ class Waiter:
     # How often an idle worker that is not listening checks whether its turn came.
     turn_poll = 0.005
 
-    def __init__(self, poll_interval, turns=None):
+    def __init__(self, poll_interval, turns=None, release=None):
         self.poll_interval = poll_interval
+        # Gives the thread's connection back before it sleeps (a process that shares few).
+        self.release = release
         self._listen = None
         # A lock file shared by the idle workers of one supervisor: the holder listens,
         # the others wait for their turn. NOTIFY wakes every listener, so without turns
@@ -111,6 +113,8 @@ class Waiter:
             timeout = max(0.0, min(timeout, until))
         if timeout <= 0:
             return
+        if self.release is not None:
+            self.release()
         if database.of(connection).notifies and durable_settings.LISTEN:
             try:
                 conn = self._listen_connection()
@@ -193,6 +197,25 @@ class Drains:
 
     draining_message = "finishing what is in hand, then exiting"
     _signals = 0
+    # Whether this process's threads share a pool of ``connections`` (durable.engine.connections),
+    # and the function that gives a thread's connection back before it waits (None: it keeps it).
+    sharing = False
+    connections = None
+    release = None
+    _pooled = False
+
+    def share_connections(self):
+        """Before this process's first connection: make its threads share a pool, if they do.
+
+        Idempotent; called by the supervisor's child before anything connects (the
+        workers page's thread included), and by ``run()`` for a loop run in-process.
+        """
+        if self.sharing and not self._pooled:
+            from .connections import pool_connections
+
+            connection.close()  # opened before the pool existed: not the pool's to take back
+            pool_connections(self.connections)
+            self._pooled = True
 
     def __init__(self):
         # The drain flag: set once by ``stop()``. A worker hands this one flag to every

@@ -56,7 +56,7 @@ class Runner:
     """Executes steps of claimed jobs for one worker process."""
 
     def __init__(self, owner, heartbeat=None, lease_seconds=None, workflows=None, queues=None,
-                 chain=True, drain=None):
+                 chain=True, drain=None, commits=None, release=None):
         self.owner = owner
         self.heartbeat = heartbeat
         self.lease_seconds = lease_seconds or durable_settings.LEASE_SECONDS
@@ -67,6 +67,11 @@ class Runner:
         self.chain = chain
         # The drain flag (durable.engine.process.Drains): a worker's runners share its one flag.
         self.drain = drain or threading.Event()
+        # A process with more runs in flight than connections: agents' memos share one
+        # group commit (durable.engine.commits), and a thread gives its connection back
+        # before it waits on a step or a call (durable.engine.connections).
+        self.commits = commits
+        self.release = release
         self._starts = None
         self._starts_generation = None
 
@@ -190,7 +195,8 @@ class Runner:
     def run_step(self, started):
         if started.workflow.runs_itself:
             # An agent workflow: run() from the top, one memo per call (durable.agents.run).
-            seat = Seat(self.owner, self.lease_seconds, self.heartbeat, self.on_timeout)
+            seat = Seat(self.owner, self.lease_seconds, self.heartbeat, self.on_timeout,
+                        commit_memo=self.commits and self.commits.commit_memo, release=self.release)
             return self._act_on(started, started.workflow.drive(started, seat))
         claimed, step = started.claimed, started.step
         if started.memos is None:
@@ -213,8 +219,7 @@ class Runner:
                               attempt=started.attempt, worker=self.owner)
         faults.point("before_step")
         began = time.monotonic()
-        if self.heartbeat is not None:
-            self.heartbeat.watch(started, step.effective_timeout, self.on_timeout)
+        self._watch(started)
         try:
             returned = started.workflow.call_step(step, data, ctx)
         except NeedsHuman as signal_:
@@ -246,6 +251,13 @@ class Runner:
             # Deterministic: the same code would produce the same output again.
             return self.fail_step(started, type(exc)(f"step output refused, it is not storable JSON: {exc}"), 0)
         return self.complete(started, output, cost, duration, output_json=output_json)
+
+    def _watch(self, started):
+        """The step begins: its lease is renewed and it is timed; it waits on no connection."""
+        if self.release is not None:
+            self.release()  # the step may wait on the network; its own queries borrow one
+        if self.heartbeat is not None:
+            self.heartbeat.watch(started, started.step.effective_timeout, self.on_timeout)
 
     def _act_on(self, started, outcome):
         """Make the move a driven run's outcome asks for; return what to continue with."""

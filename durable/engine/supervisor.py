@@ -103,6 +103,7 @@ def _run_role(role, index, options, parent_pid=None):
     # Before the first connection: a database that vanishes is noticed in bounded time.
     bound_database_connections()
     worker = ROLES[role](name=worker_id(role, index), **options)
+    worker.share_connections()
     worker.install_signal_handlers()
     if options.get("until_stopped") and parent_pid is not None:
         worker.on_idle = functools.partial(_tell_idle, parent_pid)
@@ -182,9 +183,10 @@ class Supervisor:
 
     def __init__(self, *, processes=None, burst=False, workflows=None, queues=None,
                  lease_seconds=None, roles=None, grace=None, dispatchers=1, workers=True,
-                 threads=None):
+                 threads=None, db_connections=None):
         self.processes = processes or durable_settings.PROCESSES or os.cpu_count() or 1
         self.threads = threads or durable_settings.THREADS
+        self.connections = db_connections or durable_settings.CONNECTIONS
         self.burst = burst
         self.grace = durable_settings.SHUTDOWN_GRACE if grace is None else grace
         # Idle workers take turns listening for new jobs (see process.Waiter): one
@@ -204,10 +206,10 @@ class Supervisor:
         # [(role, count, options)]; the outbox dispatcher runs beside the workers.
         if roles is None:
             roles = [("worker", self.processes, {**worker_options, "listen_turns": self.listen_turns,
-                                                 "threads": self.threads})
+                                                 "threads": self.threads,
+                                                 "connections": self.connections})
                      ] if workers else []
-            if workers:
-                self._check_connection_budget()
+            self._check_connection_budget(self.processes if workers else 0, dispatchers)
             if dispatchers:
                 roles.append(("dispatcher", dispatchers, worker_options))
         self.roles = roles
@@ -222,28 +224,18 @@ class Supervisor:
         self._restarts = {}
         self.presence = None  # this process's row on the workers page, while it runs
 
-    def _check_connection_budget(self):
-        """Warn when the worker threads would hold more PostgreSQL connections than the server allows."""
-        from ..store import database
+    def _check_connection_budget(self, processes, dispatchers):
+        """Warn when this deployment could hold more PostgreSQL connections than the server allows."""
+        from .connections import connection_budget
 
-        conn = connections["default"]
-        if not database.of(conn).limits_connections:
-            return
-        # A thread's connection each, plus the lease renewal and LISTEN of each process.
-        wanted = self.processes * (self.threads + 2)
         try:
-            with conn.cursor() as cursor:
-                cursor.execute("SHOW max_connections")
-                allowed = int(cursor.fetchone()[0])
+            problem = connection_budget(processes, self.threads, self.connections, dispatchers)
         except Exception:  # noqa: BLE001 - a warning only; the workers report a real outage
             return
         finally:
             connections.close_all()
-        if wanted > allowed * 0.8:
-            logger.warning("%d processes x %d threads hold about %d PostgreSQL connections; the"
-                           " server allows %d (max_connections) for everything: lower --threads"
-                           " or --processes, or put PgBouncer in front", self.processes,
-                           self.threads, wanted, allowed)
+        if problem is not None:
+            logger.warning("%s %s", problem.msg, problem.hint)
 
     def stop(self):
         """Ask every child to drain; idempotent."""

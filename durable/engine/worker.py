@@ -25,7 +25,9 @@ from django.db.utils import DatabaseError, InterfaceError
 from .. import faults
 from ..conf import bound_database_connections, durable_settings
 from ..schedules import firing as schedules
-from ..store import locking, rollups
+from ..store import database, locking, rollups
+from . import connections as shared_connections
+from .commits import MemoCommits
 from .process import Drains, Waiter, keep_connections_healthy, worker_id
 from .runner import Runner
 
@@ -88,9 +90,11 @@ class Heartbeat(threading.Thread):
     it (one thread per process) the process exits, to be replaced.
     """
 
-    def __init__(self, lease_seconds, tick=0.2, on_abandoned=None):
+    def __init__(self, lease_seconds, tick=0.2, on_abandoned=None, release=None):
         super().__init__(name="durable-heartbeat", daemon=True)
         self.lease_seconds = lease_seconds
+        # Gives the renewals' connection back between renewals (a process that shares few).
+        self.release = release
         # Give up a little before the lease ends: the lease was set by a statement that
         # ran shortly before this process learnt of it.
         self.margin = min(float(durable_settings.LEASE_MARGIN_SECONDS), lease_seconds / 10)
@@ -281,6 +285,8 @@ class Heartbeat(threading.Thread):
                 for entry in batch:
                     entry.lease.in_flight, entry.lease.failing = False, True
             return
+        if self.release is not None:
+            self.release()
         lost = []
         with self._lock:
             self._batch = None
@@ -341,7 +347,7 @@ class Worker(Drains):
 
     def __init__(self, *, name=None, workflows=None, queues=None, burst=False,
                  lease_seconds=None, poll_interval=None, listen_turns=None, threads=None,
-                 until_stopped=False):
+                 until_stopped=False, connections=None):
         super().__init__()
         self.name = name or worker_id()
         self.workflows = workflows or None
@@ -352,12 +358,25 @@ class Worker(Drains):
         self.until_stopped = until_stopped
         self.lease_seconds = lease_seconds or durable_settings.LEASE_SECONDS
         self.threads = int(threads or durable_settings.THREADS)
+        self.connections = int(connections or durable_settings.CONNECTIONS)
+        # More threads than connections (the runs', the lease renewal's and the group
+        # commit's), on a server that counts them: the threads share a pool and hold a
+        # connection only while they talk to the database.
+        self.sharing = (self.threads + 2 > self.connections
+                        and database.current().limits_connections)
+        release = shared_connections.release if self.sharing else None
+        self.release = release
+        # Agents' memos: one group commit for the process's runs (one transaction for
+        # whatever is ready), as soon as two runs can be in flight.
+        self.commits = MemoCommits(release=release) if self.threads > 1 else None
         self.max_abandoned = int(durable_settings.MAX_ABANDONED_THREADS)
         # With one thread a step past its timeout replaces the process, as it always
         # did; with more, the process keeps serving its other jobs.
         self.heartbeat = Heartbeat(self.lease_seconds,
-                                   on_abandoned=self._abandoned if self.threads > 1 else None)
-        self.waiter = Waiter(poll_interval or durable_settings.POLL_INTERVAL, turns=listen_turns)
+                                   on_abandoned=self._abandoned if self.threads > 1 else None,
+                                   release=release)
+        self.waiter = Waiter(poll_interval or durable_settings.POLL_INTERVAL, turns=listen_turns,
+                             release=release)
         self.steps_run = 0
         # Every worker may fire schedules (one job per tick whoever fires) and roll up
         # costs and state moves for the console (about once a minute); a burst drains.
@@ -383,7 +402,7 @@ class Worker(Drains):
         # first, with .<slot> for the others, so events and leases say which thread held a job.
         owner = f"{self.name}.{index}" if index else self.name
         runner = Runner(owner, self.heartbeat, self.lease_seconds, self.workflows, self.queues,
-                        drain=self.drain)
+                        drain=self.drain, commits=self.commits, release=self.release)
         return runner
 
     def stop(self):
@@ -395,9 +414,14 @@ class Worker(Drains):
     def run(self):
         faults.configure()
         bound_database_connections()
+        self.share_connections()
+        # A socket per run in flight, and on SQLite a connection per thread.
+        shared_connections.allow_open_files(4 * self.threads + 256)
         self.heartbeat.start()
-        logger.info("%s started (lease %ss, %d thread%s%s)", self.name, self.lease_seconds,
-                    self.threads, "" if self.threads == 1 else "s", ", burst" if self.burst else "")
+        logger.info("%s started (lease %ss, %d thread%s%s%s)", self.name, self.lease_seconds,
+                    self.threads, "" if self.threads == 1 else "s",
+                    f" sharing {self.connections} connections" if self.sharing else "",
+                    ", burst" if self.burst else "")
         try:
             if self.threads == 1:
                 self.serve(None)
@@ -408,6 +432,8 @@ class Worker(Drains):
             # (a database that does not answer leaves the job to its lease instead).
             self.heartbeat.finish_recordings(self.lease_seconds / 2)
             self.heartbeat.stop()
+            if self.commits is not None:
+                self.commits.close()
             self.waiter.close()
             logger.info("%s stopped", self.name)
         if self.exit_code:
@@ -474,6 +500,8 @@ class Worker(Drains):
                     continue
                 keep_connections_healthy()
                 self._maybe_fire()
+                if self.release is not None:
+                    self.release()  # nobody waits for the claim's turn holding a connection
                 # One claim at a time per process: slots queue here, not on SQLite's
                 # write lock (whose busy waits sleep up to 100 ms, long enough for a
                 # drain to begin meanwhile); the runner looks at the drain flag at the
@@ -521,6 +549,8 @@ class Worker(Drains):
                 self.rollups.maybe_run()
             finally:
                 self._firing.release()
+        if self.release is not None:
+            self.release()
         if slot is None:
             self.waiter.wait(lambda: self.stopping)
             return True

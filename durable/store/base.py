@@ -218,6 +218,19 @@ class Database:
                 duration=c.duration, attempt=c.attempt, workflow=c.workflow)
         return True
 
+    def connection_limit(self):
+        """How many client connections the server accepts (None: it counts none)."""
+        return None
+
+    def commit_memos(self, commits):
+        """Memos of several jobs in one transaction, each fenced by its own lease: ``[bool]``.
+
+        ``commits`` holds ``commit_memo``'s arguments as tuples. A row whose lease is gone
+        writes nothing and says False; the others commit. An error rolls back them all.
+        """
+        with transaction.atomic():
+            return [self.commit_memo(*each) for each in commits]
+
     # Outbox rows ---------------------------------------------------------------------------
 
     def claim_actions(self, owner, lease_seconds, limit, rooms, full, room):

@@ -228,8 +228,17 @@ def commit_memo(claimed, state, lease_seconds, progress_json, c):
     return database.current().commit_memo(claimed, state, lease_seconds, progress_json, c)
 
 
+def commit_memos(commits):
+    """Memos of many runs (``commit_memo``'s arguments, as tuples) in one transaction: ``[bool]``.
+
+    Each row is fenced by its own job's lease: a refused row writes nothing and refuses
+    only itself. An error rolls back every row (the caller then commits them one by one).
+    """
+    return database.current().commit_memos(commits)
+
+
 __all__ = [
     "JOBS_CHANNEL", "OUTBOX_CHANNEL", "Claimed", "MemoCommit", "StepCommit", "Starts", "check_path",
-    "claim_job", "commit_memo", "complete_step", "db_now", "insert_job", "notify", "now_plus",
+    "claim_job", "commit_memo", "commit_memos", "complete_step", "db_now", "insert_job", "notify", "now_plus",
     "park_job", "reclaim", "renew_leases", "seconds_until_due", "transition",
 ]

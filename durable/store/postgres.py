@@ -413,7 +413,7 @@ class PostgresStore(Database):
                                  db=db)
             return True, self._claimed(taken, owner)
 
-    def commit_memo(self, claimed, state, lease_seconds, progress_json, c):
+    def commit_memo(self, claimed, state, lease_seconds, progress_json, c, db=None):
         return self.execute(COMMIT_MEMO, {
             "progress": progress_json, "lease": float(lease_seconds), "id": claimed.id,
             "state": state, "token": claimed.lease_token, "key": c.key, "kind": c.kind,
@@ -421,7 +421,21 @@ class PostgresStore(Database):
             "output": c.output_json, "cost": c.cost, "input_tokens": c.input_tokens,
             "output_tokens": c.output_tokens, "model": c.model, "micros": c.duration // MICROSECOND,
             "attempt": c.attempt, "workflow": c.workflow,
-        }).rowcount == 1
+        }, db).rowcount == 1
+
+    def connection_limit(self):
+        """max_connections less the connections reserved for superusers and roles."""
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT current_setting('max_connections')::int"
+                           " - current_setting('superuser_reserved_connections')::int"
+                           " - coalesce(current_setting('reserved_connections', true)::int, 0)")
+            return cursor.fetchone()[0]
+
+    def commit_memos(self, commits):
+        """One transaction of self-fenced statements: one commit (one WAL flush) for them all."""
+        db = connected()
+        with transaction.atomic():
+            return [self.commit_memo(*each, db=db) for each in commits]
 
     # Outbox rows ------------------------------------------------------------------------------
 

@@ -383,20 +383,23 @@ class SqliteStore(Database):
 
     def commit_memo(self, claimed, state, lease_seconds, progress_json, c):
         """Two statements in one IMMEDIATE transaction."""
-        micros = c.duration // MICROSECOND
+        return self.immediate(lambda db: self._memo(db, claimed, state, lease_seconds, progress_json, c),
+                              connected())
 
-        def write(db):
-            modifier = delta(lease_seconds)
-            moved = self.execute(MEMO_PROGRESS, (progress_json, modifier, modifier, claimed.id, state,
-                                                 claimed.lease_token), db)
-            if moved.rowcount != 1:
-                return False
-            self.execute(CALL_MEMO, (claimed.id, c.key, c.kind, c.name, c.seq, c.turn, c.fingerprint,
-                                     c.output_json, str(c.cost), c.input_tokens, c.output_tokens, c.model,
-                                     micros, c.attempt, c.workflow), db)
-            return True
+    def commit_memos(self, commits):
+        """Every memo in one IMMEDIATE transaction: one take of the write lock for them all."""
+        return self.immediate(lambda db: [self._memo(db, *each) for each in commits], connected())
 
-        return self.immediate(write, connected())
+    def _memo(self, db, claimed, state, lease_seconds, progress_json, c):
+        modifier = delta(lease_seconds)
+        moved = self.execute(MEMO_PROGRESS, (progress_json, modifier, modifier, claimed.id, state,
+                                             claimed.lease_token), db)
+        if moved.rowcount != 1:
+            return False
+        self.execute(CALL_MEMO, (claimed.id, c.key, c.kind, c.name, c.seq, c.turn, c.fingerprint,
+                                 c.output_json, str(c.cost), c.input_tokens, c.output_tokens, c.model,
+                                 c.duration // MICROSECOND, c.attempt, c.workflow), db)
+        return True
 
     # Outbox rows ----------------------------------------------------------------------------------
 

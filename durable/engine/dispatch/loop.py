@@ -33,7 +33,8 @@ from ...conf import durable_settings
 from ...exceptions import UnknownDestination
 from ...models import Job, Outbox, Pause
 from ...schedules import firing as schedules
-from ...store import action_rows, locking
+from ...store import action_rows, database, locking
+from ..connections import release
 from ..process import Drains, Waiter, keep_connections_healthy, worker_id
 from .sender import Sender
 from .slots import Senders, Slots
@@ -76,8 +77,15 @@ class Dispatcher(Drains):
         # their share; a drain gives them back unsent.
         self.ahead = max(1, self.threads // 2)
         self.slots = Slots(self.threads + self.ahead, self.slots_for)
-        self.sender = Sender(self.name, self.lease_seconds, self.slots)
-        self.waiter = OutboxWaiter(poll_interval or durable_settings.POLL_INTERVAL)
+        # More sending threads (with the loop's and the recorder's) than connections: they
+        # share a pool, and a thread gives its connection back while its send waits.
+        self.connections = int(durable_settings.CONNECTIONS)
+        self.sharing = (self.threads + 2 > self.connections
+                        and database.current().limits_connections)
+        self.release = release if self.sharing else None
+        self.sender = Sender(self.name, self.lease_seconds, self.slots, release=self.release)
+        self.waiter = OutboxWaiter(poll_interval or durable_settings.POLL_INTERVAL,
+                                   release=self.release)
         # The dispatcher fires schedules too, so ticks are not late while every worker
         # is inside a long step (one job per tick whoever fires it).
         self.firer = None if burst else schedules.Firer()
@@ -96,9 +104,10 @@ class Dispatcher(Drains):
 
     def run(self):
         faults.configure()
+        self.share_connections()
         logger.info("%s started (lease %ss, %d slots%s)", self.name, self.lease_seconds,
                     self.threads, ", burst" if self.burst else "")
-        self._senders = Senders(self.threads, self._process_in_thread)
+        self._senders = Senders(self.threads, self._process_in_thread, release=self.release)
         self.sender.open_batches()
         failures = 0
         had_work = True  # a burst's dispatcher that finds nothing at start says so too

@@ -82,8 +82,10 @@ class _Missing(destinations.Destination):
 class Sender:
     """Settles claimed outbox rows for one dispatcher (thread-safe: it keeps no row state)."""
 
-    def __init__(self, name, lease_seconds, slots):
+    def __init__(self, name, lease_seconds, slots, release=None):
         self.name = name
+        # Gives the thread's connection back while a send waits (a process that shares few).
+        self.release = release
         self.lease_seconds = lease_seconds
         self.slots = slots  # told whether each send came back with a reply
         self._batches = None  # see open_batches
@@ -173,6 +175,8 @@ class Sender:
                            " within its lease; left for reconciliation", self.name, row.id,
                            row.job_id, row.attempts, time.monotonic() - began)
             return
+        if self.release is not None:
+            self.release()
         try:
             outcome = ctx.destination.dispatch(_request(row))
             if not isinstance(outcome, Outcome):
@@ -366,7 +370,7 @@ class Sender:
         """From now on a confirmed send (or one a lookup found) is written on a thread of its
         own, with the others that came back meanwhile (``durable.engine.dispatch.slots.Batches``): its slot
         frees at the reply."""
-        self._batches = Batches(self.write_confirmed)
+        self._batches = Batches(self.write_confirmed, release=self.release)
 
     def close_batches(self):
         """Write every confirmed send handed over, then stop the thread. Idempotent."""

@@ -102,8 +102,10 @@ class Senders:
     before the next row, and every thread closes its own when the senders close.
     """
 
-    def __init__(self, count, settle, name="durable-dispatch"):
+    def __init__(self, count, settle, name="durable-dispatch", release=None):
         self._settle = settle
+        # Gives a thread's connection back between rows (a process whose threads share few).
+        self._release = release
         self._queue = queue.SimpleQueue()
         self._threads = [threading.Thread(target=_serve, args=(self._queue, self._one),
                                           name=f"{name}-{i}", daemon=True)
@@ -149,6 +151,8 @@ class Senders:
             self._settle(row)
         finally:
             self._sending.pop(name, None)
+            if self._release is not None:
+                self._release()
             done(row)
 
 
@@ -160,8 +164,9 @@ class Batches:
     it has been written. The thread keeps its database connection between calls.
     """
 
-    def __init__(self, write, most=64, name="durable-dispatch-record"):
+    def __init__(self, write, most=64, name="durable-dispatch-record", release=None):
         self._write = write
+        self._release = release
         self.most = int(most)
         self._queue = queue.SimpleQueue()
         self._thread = threading.Thread(target=_serve, args=(self._queue, self._batch), name=name,
@@ -193,6 +198,8 @@ class Batches:
         except Exception:  # noqa: BLE001 - the thread must go on for the next items
             # Their rows stay attempted under their leases and are reconciled after.
             logger.exception("%d confirmed sends could not be written", len(batch))
+        if self._release is not None and self._queue.empty():
+            self._release()
         return last
 
 

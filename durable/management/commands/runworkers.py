@@ -62,8 +62,11 @@ class Command(BaseCommand):
         parser.add_argument("--processes", "-p", type=int, default=None,
                             help="Worker processes (default: DURABLE['PROCESSES'] or the CPU count).")
         parser.add_argument("--threads", "-t", type=int, default=None,
-                            help="Steps in flight per worker process, one thread each"
+                            help="Runs in flight per worker process, one thread each"
                                  " (default: DURABLE['THREADS'], 8).")
+        parser.add_argument("--connections", "-c", type=int, default=None,
+                            help="Database connections per worker process at most; more threads"
+                                 " share them (default: DURABLE['CONNECTIONS'], 10).")
         parser.add_argument("--workflow", action="append", dest="workflows", default=[],
                             help="Only run jobs of this workflow (repeatable).")
         parser.add_argument("--queue", action="append", dest="queues", default=[],
@@ -80,11 +83,13 @@ class Command(BaseCommand):
                             help="Run only the outbox dispatcher, no job workers.")
 
     def handle(self, *args, processes, threads, workflows, queues, burst, lease, dispatchers,
-               no_dispatcher, dispatcher_only, verbosity=1, **options):
+               no_dispatcher, dispatcher_only, connections=None, verbosity=1, **options):
         if processes is not None and processes < 1:
             raise CommandError("--processes must be at least 1")
         if threads is not None and threads < 1:
             raise CommandError("--threads must be at least 1")
+        if connections is not None and connections < 2:
+            raise CommandError("--connections must be at least 2 (the runs' and the group commit's)")
         if dispatchers < 1:
             raise CommandError("--dispatchers must be at least 1 (use --no-dispatcher for none)")
         if no_dispatcher and dispatcher_only:
@@ -97,6 +102,7 @@ class Command(BaseCommand):
         configure_output(verbosity)
         supervisor = Supervisor(processes=processes, burst=burst, workflows=workflows,
                                 queues=queues, lease_seconds=lease, threads=threads,
+                                db_connections=connections,
                                 dispatchers=0 if no_dispatcher else dispatchers,
                                 workers=not dispatcher_only)
         return_code = supervisor.run()
