@@ -41,6 +41,10 @@ class ToolError(Exception):
     """Raised by a tool: this message goes back to the model as the tool's error result."""
 
 
+class Draining(Exception):  # noqa: N818 - a signal, not an error
+    """The worker drains: the run stops at its frontier, before a call it would pay for."""
+
+
 class Suspended(Exception):  # noqa: N818 - a signal, not an error
     """The run parked the job (approval, action in flight): it has left this worker."""
 

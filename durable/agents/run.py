@@ -19,14 +19,14 @@ from decimal import Decimal
 from .. import faults
 from ..core.formats import money
 from ..core.identity import storable_json
-from ..core.outcomes import AskHuman, Done, Failed, Left, Lost, Parked
+from ..core.outcomes import AskHuman, Done, Failed, HandedBack, Left, Lost, Parked
 from ..core.retry import scrub
 from ..core.workflows import NeedsHuman, Output, WaitingOn
 from ..exceptions import LeaseLost
 from ..models import EventKind, Job, JobEvent, MemoKind, StepResult
 from ..store import locking
 from . import tools as agent_actions
-from .base import RUNNING, Divergence, DuplicateKey, Suspended, ToolError, parsed
+from .base import RUNNING, Divergence, Draining, DuplicateKey, Suspended, ToolError, parsed
 from .llm import ModelReply, ModelReplyInvalid
 
 logger = logging.getLogger("durable.agents")
@@ -130,6 +130,8 @@ class AgentRun:
             return Parked(waiting)
         except LeaseLost:
             return Lost()
+        except Draining:
+            return HandedBack(self.seq)
         except ModelReplyInvalid as exc:
             # Kept for the operator: last_error names what the model sent.
             raw = str(exc.raw or "")[:1500]
@@ -223,6 +225,10 @@ class AgentRun:
                 f" recorded, while an earlier run went on to {left[0].key} ({left[0].describe()}):"
                 " the code changed (guard new calls with ctx.patched(...))"
             )
+        if self.seat.stopping is not None and self.seat.stopping():
+            # SIGTERM: what ran is kept; the next call is another worker's to make (now, not
+            # after the lease), so a deploy neither waits for whole runs nor pays a call twice.
+            raise Draining()
         if self.seat.release is not None:
             self.seat.release()  # a model, tool or HTTP call waits: on no connection
         began = time.monotonic()

@@ -22,6 +22,8 @@ class Seat:
     commit_memo: Callable = None
     # Gives the thread's database connection back before the run waits (None: it keeps it).
     release: Callable = None
+    # True once the worker drains: the run stops before its next paid call (None: never).
+    stopping: Callable = None
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,13 @@ class Lost:
 
 
 @dataclass(frozen=True)
+class HandedBack:
+    """The worker drains: the run stopped between two calls; the job is due again for any worker."""
+
+    calls: int  # the calls recorded so far, kept as memos
+
+
+@dataclass(frozen=True)
 class Failed:
     """The run raised: the step's retry policy decides what happens."""
 
@@ -66,4 +75,4 @@ class Failed:
     seconds: float
 
 
-__all__ = ["AskHuman", "Done", "Failed", "Left", "Lost", "Parked", "Seat"]
+__all__ = ["AskHuman", "Done", "Failed", "HandedBack", "Left", "Lost", "Parked", "Seat"]

@@ -24,7 +24,7 @@ from .. import faults
 from ..actions import outbox
 from ..conf import durable_settings
 from ..core.identity import storable_json
-from ..core.outcomes import AskHuman, Done, Failed, Left, Lost, Parked, Seat
+from ..core.outcomes import AskHuman, Done, Failed, HandedBack, Left, Lost, Parked, Seat
 from ..core.retry import backoff, classify, describe, scrub
 from ..core.states import RESUMING_KINDS, WOKEN, StateKind
 from ..core.workflows import Action, NeedsHuman, Wait, WaitingOn, registry
@@ -158,7 +158,9 @@ class Runner:
             step = workflow.steps_by_name[states.step]
             attempt = claimed.attempts + 1
             max_attempts = step.retry.resolved()[0]
-            message = f"lease of {claimed.previous_owner or 'a worker'} expired; attempt {attempt}"
+            # No previous owner: a draining worker handed the job back (locking.hand_back).
+            message = (f"lease of {claimed.previous_owner} expired; attempt {attempt}"
+                       if claimed.previous_owner else f"taken over after a drain; attempt {attempt}")
             if attempt > max_attempts:
                 error = f"Worker lost {claimed.attempts} times while running {step.name} (lease expired)"
                 self._fail(claimed, table, states, attempt - 1, error, kind=EventKind.FAILED)
@@ -196,7 +198,8 @@ class Runner:
         if started.workflow.runs_itself:
             # An agent workflow: run() from the top, one memo per call (durable.agents.run).
             seat = Seat(self.owner, self.lease_seconds, self.heartbeat, self.on_timeout,
-                        commit_memo=self.commits and self.commits.commit_memo, release=self.release)
+                        commit_memo=self.commits and self.commits.commit_memo, release=self.release,
+                        stopping=self.drain.is_set)
             return self._act_on(started, started.workflow.drive(started, seat))
         claimed, step = started.claimed, started.step
         if started.memos is None:
@@ -276,9 +279,23 @@ class Runner:
             case Lost():
                 self.lost(started)
                 return None
+            case HandedBack(calls):
+                self._hand_back(started, calls)
+                return None
             case Failed(error, seconds):
                 return self.fail_step(started, error, seconds)
         raise TypeError(f"a run returned {outcome!r}, which is not an outcome (durable.core.outcomes)")
+
+    def _hand_back(self, started, calls):
+        step = started.step.name
+        if locking.hand_back(started.claimed, actor=self.owner, step=step,
+                             message=f"the worker drains: handed back after {calls} recorded calls,"
+                                     " for any worker to go on from the next"):
+            logger.info("%s job=%s step=%s handed back (draining) after %d recorded calls",
+                        self.owner, started.claimed.id, step, calls)
+            self.finished(started, "handed back")
+        else:
+            self.lost(started)
 
     def _input_for(self, started):
         index = started.workflow.steps.index(started.step)

@@ -25,6 +25,7 @@ lost its lease commits nothing.
 
 import datetime
 
+from django.db import transaction
 from django.db.models.functions import Now
 
 from ..core.states import SETTLED_KINDS
@@ -80,6 +81,22 @@ def reclaim(claimed, attempt, *, actor, step, message):
         return False
     JobEvent.objects.create(job_id=claimed.id, kind=EventKind.RECLAIMED, step=step, actor=actor,
                             from_state=claimed.state, to_state=claimed.state, message=message)
+    return True
+
+
+def hand_back(claimed, *, actor, step, message):
+    """Give a job back mid-step, due now, with its event: a draining worker stops between calls.
+
+    The job keeps its state (the step is still to finish) and its memos; the next claim
+    takes it over at once instead of after the lease. Fenced by the claim's token.
+    """
+    move = moves.hand_back(claimed.attempts)
+    with transaction.atomic():
+        if not Job.objects.filter(pk=claimed.id, lease_token=claimed.lease_token,
+                                  state=claimed.state).update(**move.columns()):
+            return False
+        JobEvent.objects.create(job_id=claimed.id, kind=EventKind.TRANSITION, step=step, actor=actor,
+                                from_state=claimed.state, to_state=claimed.state, message=message)
     return True
 
 
@@ -239,6 +256,7 @@ def commit_memos(commits):
 
 __all__ = [
     "JOBS_CHANNEL", "OUTBOX_CHANNEL", "Claimed", "MemoCommit", "StepCommit", "Starts", "check_path",
-    "claim_job", "commit_memo", "commit_memos", "complete_step", "db_now", "insert_job", "notify", "now_plus",
+    "claim_job", "commit_memo", "commit_memos", "complete_step", "db_now", "hand_back", "insert_job",
+    "notify", "now_plus",
     "park_job", "reclaim", "renew_leases", "seconds_until_due", "transition",
 ]

@@ -11,6 +11,7 @@ move (``transition(job, state, move=moves.hand_over())``), never a lease column.
     wait_until(until, ...)   due at ``until`` (a timer, a wait's deadline; None: only a wake)
     step_done(terminal, ..)  a step's outcome recorded: the next step due now, or the result kept
     keep_lease(attempts=, ..) only a count or a note changes; a lease held stands
+    hand_back(attempts)      a draining worker stops mid-step: due now, its attempt given back
 """
 
 import dataclasses
@@ -97,5 +98,11 @@ def keep_lease(*, attempts=KEEP, error=KEEP):
     return Move("keep lease", ends_lease=False, attempts=attempts, error=error)
 
 
-__all__ = ["KEEP", "LEASE_COLUMNS", "Move", "hand_over", "keep_lease", "retry_at", "run_again", "step_done",
-           "wait_until"]
+def hand_back(attempts):
+    """A draining worker stops a step between two calls: due now for any worker, the lease
+    ended, and ``attempts`` one less, so the next claim counts the same attempt again."""
+    return Move("hand back", due=Now(), attempts=max(0, int(attempts) - 1))
+
+
+__all__ = ["KEEP", "LEASE_COLUMNS", "Move", "hand_back", "hand_over", "keep_lease", "retry_at", "run_again",
+           "step_done", "wait_until"]
