@@ -165,3 +165,35 @@ def test_an_unacknowledged_bound_not_below_the_lease_or_not_a_number_is_an_error
 def test_an_unacknowledged_bound_below_the_lease_or_left_to_its_default_passes(settings, value):
     settings.DURABLE = {**getattr(settings, "DURABLE", {}), "LEASE_SECONDS": 60, "DISPATCH_UNACKED_SECONDS": value}
     assert checks.check_unacked_bound(None) == []
+
+
+@pytest.mark.parametrize("value", [1, 0, "4", 2.5, True])
+def test_connections_per_process_that_are_not_a_whole_number_of_at_least_two_are_an_error(settings, value):
+    settings.DURABLE = {**getattr(settings, "DURABLE", {}), "CONNECTIONS": value}
+    found = [p for p in checks.check_threads(None) if p.id == "durable.E043"]
+    assert len(found) == 1 and "CONNECTIONS" in found[0].msg
+
+
+@pytest.mark.django_db
+@pytest.mark.skipif(not ON_POSTGRES, reason="SQLite has no connection limit to fit")
+def test_processes_times_connections_beyond_max_connections_are_warned_with_the_arithmetic(settings):
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW max_connections")
+        allowed = int(cursor.fetchone()[0])
+    settings.DURABLE = {**getattr(settings, "DURABLE", {}), "PROCESSES": allowed, "THREADS": 500,
+                        "CONNECTIONS": 10}
+    [found] = checks.check_connection_budget(None, databases=["default"])
+    assert found.id == "durable.W015"
+    # Each process: its pool of 10 and LISTEN's; 500 threads cost nothing more.
+    assert f"{allowed} worker processes x 11" in found.msg and "1 dispatcher x 11" in found.msg
+    settings.DURABLE = {**settings.DURABLE, "PROCESSES": 2}
+    assert checks.check_connection_budget(None, databases=["default"]) == []
+    # Without --database the check asks nothing of the server.
+    assert checks.check_connection_budget(None) == []
+
+
+@pytest.mark.django_db
+@pytest.mark.skipif(ON_POSTGRES, reason="the check is about PostgreSQL")
+def test_sqlite_is_never_warned_about_connections(settings):
+    settings.DURABLE = {**getattr(settings, "DURABLE", {}), "PROCESSES": 1000, "THREADS": 1000}
+    assert checks.check_connection_budget(None, databases=["default"]) == []

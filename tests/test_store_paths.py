@@ -15,6 +15,7 @@ job's), to within a second, so a lease must still end LEASE seconds after the mo
 took it, and an event be stamped when its move was.
 """
 
+import copy
 import datetime
 import json
 from decimal import Decimal
@@ -360,6 +361,25 @@ def test_an_agent_memo_commit_leaves_the_same_progress_and_memo_by_statement_as_
         claimed, "a_running", LEASE, json.dumps({"turn": 1}), memo))
     assert seen["returned"] is (how == "committed")
     assert len(seen["rows"]["j"]["memos"]) == (how == "committed")
+
+
+def test_a_group_of_memo_commits_leaves_the_same_rows_by_statement_as_by_the_orm():
+    memos = [MemoCommit(key=f"m{n}", kind="model", name="gpt", seq=n, turn=n, fingerprint="",
+                        output_json=json.dumps({"n": n}), cost=Decimal("0.001"), input_tokens=n,
+                        output_tokens=1, model="gpt-x", duration=datetime.timedelta(seconds=1),
+                        attempt=1, workflow="recorded") for n in (1, 2, 3)]
+
+    def group(store, claimed):
+        stale = copy.copy(claimed)
+        stale.lease_token += 1  # a run whose lease another worker took: refused alone
+        return store.commit_memos([(claimed, "a_running", LEASE, json.dumps({"calls": 1}), memos[0]),
+                                   (stale, "a_running", LEASE, json.dumps({"calls": 2}), memos[1]),
+                                   (claimed, "a_running", LEASE, json.dumps({"calls": 3}), memos[2])])
+
+    seen = assert_same(claim, group)
+    assert seen["returned"] == [True, False, True]
+    assert [m["step"] for m in seen["rows"]["j"]["memos"]] == ["m1", "m3"]
+    assert seen["rows"]["j"]["job"]["progress"] == {"calls": 3}
 
 
 # The heartbeat ----------------------------------------------------------------------------------
