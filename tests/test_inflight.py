@@ -235,3 +235,54 @@ def collections_of(calls):
     for call in calls:
         counts[call.turn] = counts.get(call.turn, 0) + 1
     return counts
+
+
+def job_of(call):
+    """The job a model call was made for: its user message names it (see the payloads below)."""
+    return next(m["content"] for m in call.body["messages"] if m["role"] == "user").split()[-1]
+
+
+@pytest.mark.crash
+@pytest.mark.django_db(transaction=True)
+def test_runs_in_flight_killed_at_random_lose_no_run_and_pay_again_only_for_calls_a_kill_hit(
+        workers, tmp_path):
+    import collections
+    import os
+    import random
+    import signal
+
+    from tests.drills.lab import children
+
+    runs, kills = 80, 3
+    log = tmp_path / "tools.log"
+    rng = random.Random(7)
+    with FakeModelServer(LOOKUP_THEN_ANSWER, latency=0.4) as server:
+        for n in range(runs):
+            durable.submit("test_agent", f"k{n}", {"model_url": server.url, "log": str(log),
+                                                   "message": f"Where is the order of k{n}"})
+        proc = workers.start("--no-dispatcher", "--connections", "3", processes=2,
+                             DURABLE_TEST_THREADS=runs // 2, DURABLE_LEASE_SECONDS=2)
+        killed = 0
+        while killed < kills:
+            time.sleep(1.5)
+            pids = children(proc.pid)
+            if pids and Job.objects.exclude(state="done").exists():
+                os.kill(rng.choice(pids), signal.SIGKILL)
+                killed += 1
+        wait_for(lambda: Job.objects.filter(state="done").count() == runs, timeout=90,
+                 message="every run to finish after the kills")
+        assert workers.terminate(proc) == 0
+        calls = server.paid_calls()
+    assert killed == kills
+    paid = collections.Counter(job_of(call) for call in calls)
+    tools = collections.Counter(line.split()[0] for line in log.read_text().splitlines())
+    reclaims = collections.Counter(JobEvent.objects.filter(kind=EventKind.RECLAIMED)
+                                   .values_list("job_id", flat=True))
+    assert sum(reclaims.values()) > 0, "no kill hit a run in flight: the drill proved nothing"
+    for n in range(runs):
+        key = f"k{n}"
+        # Two model calls and one tool call per run; each call again only for a kill that hit it.
+        assert 2 <= paid[key] <= 2 + reclaims[key], (key, paid[key], reclaims[key])
+        assert 1 <= tools[key] <= 1 + reclaims[key], (key, tools[key], reclaims[key])
+        assert list(StepResult.objects.filter(job_id=key).order_by("seq")
+                    .values_list("step", flat=True)) == ["t1/model", "t1/tool/c1", "t2/model"]

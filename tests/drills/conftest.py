@@ -9,6 +9,9 @@ from .lab import Lab
 # Drills that run twice: one job per worker process, and 8 steps in flight per process
 # (``@pytest.mark.parametrize("lab", THREADS, indirect=True)``).
 THREADS = [pytest.param(1, id="1-thread"), pytest.param(8, id="8-threads")]
+# And the drills the crash guarantees rest on, once more with many runs in flight per
+# process sharing few database connections (DURABLE["CONNECTIONS"]).
+IN_FLIGHT = [*THREADS, pytest.param((64, 4), id="64-threads-4-connections")]
 
 
 @pytest.fixture

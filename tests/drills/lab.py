@@ -108,10 +108,14 @@ class Lab:
     """Processes, jobs and the ground truth (kills, pauses, executions) of one drill."""
 
     def __init__(self, workdir, *, lease=DRILL_LEASE, step_timeout=DRILL_STEP_TIMEOUT, seed=0,
-                 threads=None):
+                 threads=None, connections=None):
         self.workdir = Path(workdir)
         # Threads per worker process (runworkers --threads); None: the default setting.
+        # A pair is (threads, connections): many runs in flight sharing few connections.
+        if isinstance(threads, tuple | list):
+            threads, connections = threads
         self.threads = threads
+        self.connections = connections
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.lease = lease
         self.step_timeout = step_timeout
@@ -158,6 +162,8 @@ class Lab:
     def env(self, **extra):
         base = {"DURABLE_LEASE_SECONDS": self.lease, "DURABLE_STEP_TIMEOUT": self.step_timeout,
                 "DURABLE_BACKOFF_BASE": 0.05, "DURABLE_BACKOFF_CAP": 0.2}
+        if self.connections:
+            base["DURABLE_TEST_CONNECTIONS"] = self.connections
         base.update(extra)
         return worker_env(**base)
 

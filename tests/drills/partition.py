@@ -436,6 +436,8 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None,
                         help="threads per worker process (default: the setting's default)")
+    parser.add_argument("--connections", type=int, default=None,
+                        help="database connections per worker process (default: the setting's)")
     args = parser.parse_args(argv)
     # SIGTERM (a parent that gives up on us) unwinds through every finally below, so
     # the namespaces, the cluster and the workers are removed, not orphaned.
@@ -464,7 +466,8 @@ def main(argv=None):
 
         old = setup_databases(verbosity=0, interactive=False)
         try:
-            lab = Lab(workdir / "lab", lease=LEASE, seed=args.seed, threads=args.threads)
+            lab = Lab(workdir / "lab", lease=LEASE, seed=args.seed, threads=args.threads,
+                      connections=args.connections)
             try:
                 row = partition_drill(lab, net, SIZES[args.size])
             finally:
@@ -481,12 +484,16 @@ def main(argv=None):
     return 0
 
 
-def run_in_subprocess(size, workdir, timeout=900, threads=None):
+def run_in_subprocess(size, workdir, timeout=900, threads=None, connections=None):
     """Run the drill in a child process (it needs a Django of its own); return (rows, skip reason)."""
     from .counts import Counts
 
+    if isinstance(threads, tuple | list):
+        threads, connections = threads
+    options = [*(["--threads", str(threads)] if threads else []),
+               *(["--connections", str(connections)] if connections else [])]
     data = netlab.run_drill_child("tests.drills.partition", workdir, "partition",
-                                  ["--size", size, *(["--threads", str(threads)] if threads else [])], timeout)
+                                  ["--size", size, *options], timeout)
     if "skipped" in data:
         return [], data["skipped"]
     return [Counts(**data["row"])], None

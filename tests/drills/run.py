@@ -88,7 +88,8 @@ def _partition(lab, size):
     """The partition drill builds its own hosts and cluster, in a process of its own."""
     from .partition import run_in_subprocess
 
-    rows, skipped = run_in_subprocess(size.name, lab.workdir, threads=lab.threads)
+    rows, skipped = run_in_subprocess(size.name, lab.workdir, threads=lab.threads,
+                                      connections=lab.connections)
     if skipped:
         raise RuntimeError(skipped)
     return rows
@@ -108,6 +109,8 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None,
                         help="threads per worker process (default: the setting's default)")
+    parser.add_argument("--connections", type=int, default=None,
+                        help="database connections per worker process (default: the setting's)")
     args = parser.parse_args(argv)
 
     workdir = Path(tempfile.mkdtemp(prefix="durable-drills-"))
@@ -139,7 +142,8 @@ def main(argv=None):
                 skipped.append(f"{name}: {drill}")
                 continue
             call_command("flush", interactive=False, verbosity=0)
-            lab = Lab(workdir / name.replace(":", "-"), seed=args.seed, threads=args.threads)
+            lab = Lab(workdir / name.replace(":", "-"), seed=args.seed, threads=args.threads,
+                      connections=args.connections)
             print(f"... {name}", file=sys.stderr, flush=True)
             try:
                 rows.extend(drill(lab))

@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import ON_POSTGRES
 
-from .conftest import THREADS, assert_targets
+from .conftest import IN_FLIGHT, assert_targets
 from .partition import problems, run_in_subprocess
 
 pytestmark = [
@@ -21,7 +21,7 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("threads", [p.values[0] for p in THREADS], ids=[p.id for p in THREADS])
+@pytest.mark.parametrize("threads", [p.values[0] for p in IN_FLIGHT], ids=[p.id for p in IN_FLIGHT])
 def test_hosts_cut_off_from_postgres_and_the_receiver_lose_nothing_and_commit_nothing_late(
         lab_available, tmp_path, threads):
     rows, skipped = run_in_subprocess("small", tmp_path, threads=threads)
