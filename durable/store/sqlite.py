@@ -14,6 +14,8 @@ Each statement is a constant with a one-line comment above it (procrastinate's
 """
 
 import json
+import os
+import threading
 
 from django.db import connection
 from django.db.models import CharField, F, Func, Q, Value
@@ -262,6 +264,12 @@ class SqliteStore(Database):
 
     counts_commits = True
     one_writer = True
+    # One writer per process at a time (see ``immediate``); a fork gets a lock of its own.
+    _writer = threading.Lock()
+
+    @classmethod
+    def _new_writer(cls):
+        cls._writer = threading.Lock()
     # The planner otherwise may start a join from the job table.
     ordered_join = "CROSS JOIN"
 
@@ -275,11 +283,18 @@ class SqliteStore(Database):
         """Run ``write(db)`` in the caller's transaction, or in one IMMEDIATE transaction of its own.
 
         Cheaper than ``transaction.atomic()`` for the three statements of a step commit,
-        and the same thing: one write lock, one commit, rolled back on any error.
+        and the same thing: one write lock, one commit, rolled back on any error. The
+        threads of one process take turns here first: SQLite's busy handler sleeps up to
+        100 ms between tries, so hundreds of runs in flight that each waited on the write
+        lock there would wait far longer than the writes take.
         """
         db = db or connected()
         if db.in_atomic_block or not db.get_autocommit():
             return write(db)
+        with self._writer:
+            return self._immediate(write, db)
+
+    def _immediate(self, write, db):
         raw = db.connection
         with db.wrap_database_errors:
             raw.execute("BEGIN IMMEDIATE")
@@ -481,3 +496,7 @@ class SqliteStore(Database):
         # A UTC datetime is stored as text ("YYYY-MM-DD HH:MM:SS.ffffff"): its first 16
         # characters are the minute, where the ORM's TruncMinute is a Python function per row.
         return Func(F(field), Value(1), Value(16), function="substr", output_field=CharField())
+
+
+# A child forked while a thread of its parent held the lock must not wait for it forever.
+os.register_at_fork(after_in_child=SqliteStore._new_writer)
