@@ -1,7 +1,11 @@
 """The OpenAI adapter, through the real ``openai`` client, against the fake server on 127.0.0.1."""
 
+import http.client
+import json
 import subprocess
 import sys
+import threading
+import time
 from decimal import Decimal
 
 import pytest
@@ -198,6 +202,79 @@ def test_the_fake_server_refuses_a_body_without_messages_with_a_clear_error(serv
 def test_an_unknown_fault_is_refused(server):
     with pytest.raises(ValueError, match="unknown fault"):
         server.fault("explode")
+
+
+# Latency and load: a fleet of agents keeps thousands of slow calls in flight at once.
+
+def test_an_answer_takes_at_least_the_servers_latency_and_the_log_says_when_it_was_answered():
+    with FakeModelServer([reply("ok")], latency=0.3) as server:
+        began = time.monotonic()
+        assert chat(server).complete(MESSAGES).text == "ok"
+        assert time.monotonic() - began >= 0.3
+    (call,) = server.calls
+    assert call.answered - call.at >= 0.25  # wall-clock stamps: a little slack for the clock
+
+
+def test_a_latency_spread_makes_each_answer_wait_at_least_its_low_end():
+    with FakeModelServer([reply("ok")], latency=(0.2, 0.4)) as server:
+        model = chat(server)
+        for _ in range(4):
+            began = time.monotonic()
+            model.complete(MESSAGES)
+            assert time.monotonic() - began >= 0.2
+    assert server.latency == (0.2, 0.4)
+    assert all(call.answered - call.at >= 0.15 for call in server.calls)
+
+
+def test_a_fault_that_answers_at_once_does_not_wait_for_the_latency():
+    # With a minute of latency the client would time out (10 s) before any reply:
+    # the 429 coming back at all shows it did not wait.
+    with FakeModelServer([reply("ok")], latency=60) as server:
+        server.fault("rate_limited")
+        with pytest.raises(RetryableError, match="HTTP 429"):
+            chat(server, timeout=10).complete(MESSAGES)
+    assert server.calls[0].answered is None
+
+
+@pytest.mark.parametrize("latency", [-1, (2, 1), (1, 2, 3)])
+def test_a_latency_that_is_not_seconds_or_a_low_high_pair_is_refused(latency):
+    with pytest.raises(ValueError, match="latency"):
+        FakeModelServer(latency=latency)
+
+
+def test_three_hundred_callers_connecting_at_once_all_get_their_answer():
+    count = 300
+    body = json.dumps({"model": "fake-model", "messages": MESSAGES})
+    statuses = []
+    with FakeModelServer([reply("ok")], latency=1.0) as server:
+        port = server._server.server_address[1]
+        start = threading.Barrier(count)
+
+        def caller():
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            start.wait()
+            try:
+                connection.request("POST", "/v1/chat/completions", body=body,
+                                   headers={"Content-Type": "application/json"})
+                response = connection.getresponse()
+                statuses.append((response.status, json.loads(response.read())["object"]))
+            finally:
+                connection.close()
+
+        callers = [threading.Thread(target=caller) for _ in range(count)]
+        for thread in callers:
+            thread.start()
+        for thread in callers:
+            thread.join(90)
+    assert statuses == [(200, "chat.completion")] * count
+    assert len(server.calls) == count and all(call.answered for call in server.calls)
+    # Served side by side, not one after another: many were waiting out their latency together.
+    moves = sorted([(call.at, 1) for call in server.calls] + [(call.answered, -1) for call in server.calls])
+    in_flight = peak = 0
+    for _, move in moves:
+        in_flight += move
+        peak = max(peak, in_flight)
+    assert peak >= count // 10
 
 
 def test_durable_imports_without_the_openai_package():

@@ -29,11 +29,17 @@ with no reply: the model did the work and the caller cannot know). :meth:`hold`
 keeps replies back until released (all of them, or those whose request matches a
 predicate), so a test can kill a worker during a call.
 
+``latency`` makes every answered completion take that long, as a real model thinks
+before it answers: a number of seconds, or a ``(low, high)`` pair drawn uniformly per
+request. Each request waits in its own handler thread, and the listen backlog is deep,
+so thousands of slow calls can be in flight at once (a benchmark's fleet of agents).
+
 Standard library only, like :mod:`durable.testing`'s receiver: it must run wherever
 the tests run and must not share a bug with the client it checks.
 """
 
 import json
+import random
 import sys
 import threading
 import time
@@ -95,6 +101,19 @@ class Call:
     outcome: str  # "ok", a fault mode, or "invalid"
     at: float = field(default_factory=time.time)
     headers: dict = field(default_factory=dict)  # as sent, lower-cased names (the API key is one)
+    answered: float | None = None  # time.time() when the reply was sent (None: not answered)
+
+
+def latency_bounds(latency):
+    """``(low, high)`` seconds from a number or a pair; ``ValueError`` if it is not one."""
+    try:
+        low, high = (latency, latency) if isinstance(latency, (int, float)) else latency
+        low, high = float(low), float(high)
+    except (TypeError, ValueError):
+        low = high = -1.0
+    if not 0 <= low <= high:
+        raise ValueError(f"latency must be seconds >= 0 or a (low, high) pair with low <= high, not {latency!r}")
+    return low, high
 
 
 def turn_of(body):
@@ -106,6 +125,10 @@ def turn_of(body):
 class _Handler(BaseHTTPRequestHandler):
     server_version = "FakeModel/1"
     protocol_version = "HTTP/1.1"
+    # The headers and the body leave in two writes; with Nagle's algorithm the body
+    # waits for the client's delayed ACK of the headers, 40 ms on Linux, on every call
+    # of a keep-alive connection: a latency no real provider adds and no test asked for.
+    disable_nagle_algorithm = True
 
     def log_message(self, format, *args):  # the request log is kept in `calls`
         pass
@@ -157,7 +180,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         fault = owner._next_fault()
         turn = turn_of(body)
-        owner._record(body, turn, fault.mode if fault else "ok", self.headers)
+        call = owner._record(body, turn, fault.mode if fault else "ok", self.headers)
         if fault and fault.mode == "rate_limited":
             self._error(429, "rate limited", "rate_limit_error", [("Retry-After", f"{fault.retry_after:g}")])
             return
@@ -179,6 +202,9 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception as exc:  # a broken script is the test's bug: say so in the reply
             self._error(500, f"script failed: {type(exc).__name__}: {exc}", "server_error")
             return
+        # The model's thinking time: only for requests it works on (answered, slow or
+        # dropped), after any hold, in this request's own thread so others go on.
+        owner._think()
         if fault and fault.mode == "drop":
             self.close_connection = True
             self.connection.shutdown(2)
@@ -186,6 +212,7 @@ class _Handler(BaseHTTPRequestHandler):
         if fault and fault.mode == "slow":
             time.sleep(fault.delay)
         try:
+            call.answered = time.time()
             self._send(200, answer)
         except (BrokenPipeError, ConnectionResetError):  # the caller gave up (timeout, kill)
             pass
@@ -194,6 +221,10 @@ class _Handler(BaseHTTPRequestHandler):
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    # socketserver listens with a backlog of 5: a fleet of workers connecting at once
+    # would have its SYNs dropped and each retried a second later, a stall that is the
+    # test server's, not the client's. The kernel caps it at net.core.somaxconn.
+    request_queue_size = 4096
 
     def handle_error(self, request, client_address):
         # A caller killed or timed out mid-request is what this server is for: only
@@ -205,17 +236,20 @@ class _Server(ThreadingHTTPServer):
 class FakeModelServer:
     """A chat-completions server on 127.0.0.1 that answers from a script.
 
-    ``FakeModelServer(script, port=0, model="fake-model")``: ``port`` 0 picks a free one;
-    ``model`` is the name a reply carries when neither the script nor the request names
-    one. ``start()`` serves from threads of this process (``stop()``, or a ``with`` block);
+    ``FakeModelServer(script, port=0, model="fake-model", latency=0)``: ``port`` 0 picks a
+    free one; ``model`` is the name a reply carries when neither the script nor the request
+    names one; ``latency`` is how long each answered completion takes, in seconds, or a
+    ``(low, high)`` pair for a uniform spread (faults that answer at once do not wait).
+    ``start()`` serves from threads of this process (``stop()``, or a ``with`` block);
     ``url`` is then the base URL an OpenAI client is given. Workers are other
     processes: to serve them, run the server in a process of its own that outlives them
     (a script that starts it and waits), not inside ``manage.py shell``.
     """
 
-    def __init__(self, script=(), *, port=0, model=DEFAULT_MODEL):
+    def __init__(self, script=(), *, port=0, model=DEFAULT_MODEL, latency=0):
         self.script = script if callable(script) else list(script)
         self.model = model
+        self.latency = latency_bounds(latency)
         self.calls = []
         self._faults = []
         self._lock = threading.Lock()
@@ -280,13 +314,19 @@ class FakeModelServer:
         Returns those calls, or raises TimeoutError.
         """
         deadline = time.monotonic() + timeout
+        found, seen = [], 0
         with self._arrived:
-            while len(found := [c for c in self.calls if match is None or match(c.body)]) < count:
+            while True:
+                # Only the calls that arrived since the last look: with thousands in the
+                # log, scanning it whole at every arrival would be quadratic.
+                found += [c for c in self.calls[seen:] if match is None or match(c.body)]
+                seen = len(self.calls)
+                if len(found) >= count:
+                    return found
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"{len(found)} of {count} model calls arrived in {timeout:g} s")
                 self._arrived.wait(left)
-            return found
 
     def paid_calls(self):
         """Calls the model answered (and a provider would charge): ok, slow and dropped."""
@@ -296,10 +336,19 @@ class FakeModelServer:
     # Handler side.
 
     def _record(self, body, turn, outcome, headers):
-        headers = {name.lower(): value for name, value in headers.items()}
+        # An append under the lock, nothing that grows with the log: a benchmark sends
+        # tens of thousands of calls through one server.
+        call = Call(body, turn, outcome, headers={name.lower(): value for name, value in headers.items()})
         with self._arrived:
-            self.calls.append(Call(body, turn, outcome, headers=headers))
+            self.calls.append(call)
             self._arrived.notify_all()
+        return call
+
+    def _think(self):
+        low, high = self.latency
+        seconds = low if low == high else random.uniform(low, high)
+        if seconds > 0:
+            time.sleep(seconds)
 
     def _next_fault(self):
         with self._lock:
