@@ -150,7 +150,46 @@ def child_workers(argv):
     from django.core.management import execute_from_command_line
 
     register_agent()
+    record_memo_commits(os.environ.get("BENCH_COMMITS_LOG"))
     execute_from_command_line([str(ROOT / "manage.py"), "runworkers", *argv])
+
+
+def record_memo_commits(path):
+    """Append every group commit of the worker processes to ``path``, one JSON line each.
+
+    Connected before the fork, so every worker process inherits it (``durable.signals.
+    memos_committed``: rows, seconds of the transaction, how long each row waited from
+    its hand-over to its answer). A line: [time, rows, seconds, [waited...]].
+    """
+    if not path:
+        return
+    from durable.signals import memos_committed
+
+    lock = threading.Lock()
+
+    def write(sender, rows, seconds, refused, waited, **kwargs):
+        line = json.dumps([time.time(), rows, seconds, waited]) + "\n"
+        with lock, open(path, "a") as f:
+            f.write(line)
+
+    memos_committed.connect(write, weak=False)
+
+
+def memo_commit_figures(path, start=None, end=None):
+    """Memo commits inside the window: each run's wait (p50, p99) and the transaction per memo."""
+    if not path or not Path(path).exists():
+        return {}
+    waited, per_row, groups = [], [], []
+    for line in Path(path).read_text().splitlines():
+        at, rows, seconds, waits = json.loads(line)
+        if (start is not None and at < start) or (end is not None and at > end):
+            continue
+        waited += [w * 1000 for w in waits]
+        per_row += [seconds * 1000 / rows] * rows  # every memo of a group shares its transaction
+        groups.append(rows)
+    return {"commit_wait_p50_ms": percentile(waited, 50), "commit_wait_p99_ms": percentile(waited, 99),
+            "commit_amortised_p50_ms": percentile(per_row, 50), "commit_groups": len(groups),
+            "commit_rows_per_group": sum(groups) / len(groups) if groups else None}
 
 
 def child_report():
@@ -336,6 +375,8 @@ class Configuration:
     def measure(self):
         self.fresh()
         env = self.env()
+        env["BENCH_COMMITS_LOG"] = str(self.tmp / f"commits-{self.database}-{self.size}.jsonl")
+        Path(env["BENCH_COMMITS_LOG"]).unlink(missing_ok=True)
         server = None
         try:
             self.child(env, "--role", "submit", "--runs", str(self.runs))
@@ -364,6 +405,8 @@ class Configuration:
             if self.database == "postgres":
                 drop_database(self.args.pg_url)
         figures = self.figures(calls, sampler)
+        figures.update(memo_commit_figures(env["BENCH_COMMITS_LOG"], figures.get("window_start"),
+                                           figures.get("window_end")))
         lines = log_path.read_text(errors="replace").splitlines()
         problems = [line for line in lines if "ERROR" in line or "Traceback" in line or "WARNING" in line]
         figures.update({
@@ -416,6 +459,7 @@ def window_figures(calls, samples, fleet, latency, peak_rss_kb=None):
         if len(run_calls) == MODEL_CALLS_PER_RUN and run_calls[-1][1]:
             durations.append(run_calls[-1][1] - run_calls[0][0])
     out.update({
+        "window_start": first[0], "window_end": last[0],
         "window_s": seconds, "window_calls": count, "calls_per_s": count / seconds,
         "ratio": count / seconds / (fleet / latency), "outstanding": outstanding / seconds,
         "gap_p50_ms": percentile(gaps, 50), "gap_p99_ms": percentile(gaps, 99),
@@ -587,6 +631,8 @@ class PeerConfiguration(Configuration):
                 server.kill()
             drop_database(self.args.pg_url)
         figures = self.figures(calls, sampler)
+        figures.update(memo_commit_figures(env["BENCH_COMMITS_LOG"], figures.get("window_start"),
+                                           figures.get("window_end")))
         lines = log_path.read_text(errors="replace").splitlines()
         problems = [line for line in lines if "ERROR" in line or "Traceback" in line]
         figures.update({
@@ -615,7 +661,7 @@ def _fmt(value, digits=1, unit=""):
 def row(system, database, figures):
     if "error" in figures:
         return (f"| {system} | {database} | {figures['fleet']} | {figures['latency']:g} | {figures['error']} |"
-                + " |" * 10)
+                + " |" * 11)
     rss = ", ".join(f"{mb:.0f}" for mb in figures["peak_rss_mb"]) or "n/a"
     done = figures["states"].get("done", figures["states"].get("succeeded", 0))
     return (f"| {system} | {database} | {figures['fleet']} | {figures['latency']:g} |"
@@ -624,13 +670,16 @@ def row(system, database, figures):
             f" {_fmt(figures['gap_p50_ms'], 0)} / {_fmt(figures['gap_p99_ms'], 0)} |"
             f" {_fmt(figures['peak_connections'], 0) if database == 'postgres' else 'n/a'} | {rss} |"
             f" {_fmt(figures['worker_cpu_ms_per_call'], 2)} | {_fmt(figures['server_cpu_ms_per_call'], 2)} |"
+            f" {_fmt(figures.get('commit_wait_p50_ms'), 1)} / {_fmt(figures.get('commit_wait_p99_ms'), 1)}"
+            f" / {_fmt(figures.get('commit_amortised_p50_ms'), 2)} |"
             f" {done} / {sum(figures['states'].values())} | {figures['log_problems']} |")
 
 
 HEADER = ("| system | database | N in flight | latency (s) | model calls/s | bound N/L | achieved/bound |"
           " calls outstanding | between calls p50 / p99 (ms) | peak DB connections | peak RSS per worker (MB) |"
-          " worker CPU ms/call | server CPU ms/call | runs done | log warnings and errors |\n"
-          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          " worker CPU ms/call | server CPU ms/call | memo commit wait p50 / p99 / amortised p50 (ms) |"
+          " runs done | log warnings and errors |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 
 
 def main(argv=None):
