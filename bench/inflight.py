@@ -631,8 +631,6 @@ class PeerConfiguration(Configuration):
                 server.kill()
             drop_database(self.args.pg_url)
         figures = self.figures(calls, sampler)
-        figures.update(memo_commit_figures(env["BENCH_COMMITS_LOG"], figures.get("window_start"),
-                                           figures.get("window_end")))
         lines = log_path.read_text(errors="replace").splitlines()
         problems = [line for line in lines if "ERROR" in line or "Traceback" in line]
         figures.update({

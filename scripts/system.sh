@@ -4,6 +4,9 @@
 #   chromium  the browser tests: Playwright drives the system's Chromium (no browser
 #             build is ever downloaded)
 #   faketime  the clock-skew drills: libfaketime moves one worker's wall clock
+#   pgbouncer the PgBouncer tests: workers reach PostgreSQL through a PgBouncer in
+#             transaction pooling that the test starts itself (the package's own
+#             service is left alone)
 #
 #   sh scripts/system.sh                 install whichever is missing
 #   sh scripts/system.sh faketime        only that one
@@ -19,7 +22,7 @@
 # instead of / (the tests of this script use it).
 set -eu
 
-ALL_TOOLS="chromium faketime"
+ALL_TOOLS="chromium faketime pgbouncer"
 PREFIX=${DURABLE_SYSTEM_PREFIX:-}
 
 usage() {
@@ -38,6 +41,7 @@ present() {
             done
             return 1
             ;;
+        pgbouncer) [ -x "$PREFIX/usr/sbin/pgbouncer" ] ;;
     esac
 }
 
@@ -47,7 +51,7 @@ for arg do
     case $arg in
         --check) check=1 ;;
         -h|--help) usage ;;
-        chromium|faketime) tools="$tools $arg" ;;
+        chromium|faketime|pgbouncer) tools="$tools $arg" ;;
         *) echo "scripts/system.sh: unknown tool '$arg' (known: $ALL_TOOLS)" >&2; usage ;;
     esac
 done

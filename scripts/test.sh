@@ -1,6 +1,6 @@
 #!/bin/sh
 # Run every check the project has, from a fresh clone with only python3 and pip:
-# the system packages some tests need (scripts/system.sh: Chromium, libfaketime),
+# the system packages some tests need (scripts/system.sh: Chromium, libfaketime, PgBouncer),
 # ruff, Django's system checks, the migrations check, then the test suite on
 # SQLite and on PostgreSQL. Arguments are passed to pytest:
 #
@@ -54,7 +54,7 @@ fail() {
 # System packages: installed when missing and possible (root, apt-get). Otherwise the
 # tests that need one say how to get it and are skipped, or fail with CI=true.
 
-tools="faketime"
+tools="faketime pgbouncer"
 if [ "$SKIP_BROWSER" != 1 ]; then
     tools="chromium $tools"
 fi

@@ -9,7 +9,6 @@ on PostgreSQL holding no more connections than they may; a SIGTERM hands a run b
 between two calls, and the next worker pays for no call twice.
 """
 
-import copy
 import datetime
 import json
 import threading

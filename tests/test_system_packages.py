@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from tests import browser
+from tests import browser, pgbouncer
 from tests.conftest import ROOT
 from tests.drills.drills import faketime_library
 
@@ -42,6 +42,9 @@ for package do
                   chmod +x "$DURABLE_SYSTEM_PREFIX/usr/bin/chromium" ;;
         faketime) mkdir -p "$DURABLE_SYSTEM_PREFIX/usr/lib/x86_64-linux-gnu/faketime"
                   touch "$DURABLE_SYSTEM_PREFIX/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1" ;;
+        pgbouncer) mkdir -p "$DURABLE_SYSTEM_PREFIX/usr/sbin"
+                   printf '#!/bin/sh\n' > "$DURABLE_SYSTEM_PREFIX/usr/sbin/pgbouncer"
+                   chmod +x "$DURABLE_SYSTEM_PREFIX/usr/sbin/pgbouncer" ;;
     esac
 done
 """
@@ -69,27 +72,29 @@ def test_the_check_sees_the_tools_where_the_tests_look_for_them():
                           timeout=60, check=False)
     have_chromium = os.access(browser.CHROMIUM, os.X_OK)
     have_faketime = faketime_library() is not None
+    have_pgbouncer = os.access(pgbouncer.BINARY, os.X_OK)
     assert f"chromium: {'installed' if have_chromium else 'missing'}" in done.stdout
     assert f"faketime: {'installed' if have_faketime else 'missing'}" in done.stdout
-    assert done.returncode == (0 if have_chromium and have_faketime else 1)
+    assert f"pgbouncer: {'installed' if have_pgbouncer else 'missing'}" in done.stdout
+    assert done.returncode == (0 if have_chromium and have_faketime and have_pgbouncer else 1)
 
 
 def test_the_check_installs_nothing_and_says_how_to_get_what_is_missing(tmp_path):
     status, out, calls = system_sh(tmp_path, "--check")
     assert status == 1 and calls == []
-    assert "chromium: missing" in out and "faketime: missing" in out
-    assert "sh scripts/system.sh (as root), or: apt-get install -y chromium faketime" in out
+    assert "chromium: missing" in out and "faketime: missing" in out and "pgbouncer: missing" in out
+    assert "sh scripts/system.sh (as root), or: apt-get install -y chromium faketime pgbouncer" in out
 
 
 @needs_root
 def test_missing_tools_are_installed_in_one_quiet_apt_get_without_an_update(tmp_path):
     status, out, calls = system_sh(tmp_path, FAKE_APT_LISTS="1")
     assert status == 0, out
-    assert calls == ["install chromium faketime"]
-    assert "chromium: installed" in out and "faketime: installed" in out
+    assert calls == ["install chromium faketime pgbouncer"]
+    assert "chromium: installed" in out and "faketime: installed" in out and "pgbouncer: installed" in out
     assert "chatter" not in out  # apt-get's output is kept out of the test run's
-    status, out, calls = system_sh(tmp_path)  # a second run finds both
-    assert status == 0 and calls == ["install chromium faketime"]
+    status, out, calls = system_sh(tmp_path)  # a second run finds them all
+    assert status == 0 and calls == ["install chromium faketime pgbouncer"]
 
 
 @needs_root
@@ -104,16 +109,16 @@ def test_a_fresh_machine_without_package_lists_gets_them_once(tmp_path):
 def test_an_install_that_fails_says_why_and_how_and_exits_non_zero(tmp_path):
     status, out, calls = system_sh(tmp_path, FAKE_APT_BROKEN="1")
     assert status == 1
-    assert calls == ["install chromium faketime", "update", "install chromium faketime"]
-    assert "Could not install chromium faketime: apt-get failed" in out
+    assert calls == ["install chromium faketime pgbouncer", "update", "install chromium faketime pgbouncer"]
+    assert "Could not install chromium faketime pgbouncer: apt-get failed" in out
     assert "Unable to locate package chromium" in out  # apt-get's own last lines
-    assert "apt-get install -y chromium faketime" in out
+    assert "apt-get install -y chromium faketime pgbouncer" in out
 
 
 def test_an_unknown_tool_is_refused_naming_the_known_ones(tmp_path):
     status, out, calls = system_sh(tmp_path, "chrome")
     assert status == 2 and calls == []
-    assert "unknown tool 'chrome' (known: chromium faketime)" in out
+    assert "unknown tool 'chrome' (known: chromium faketime pgbouncer)" in out
 
 
 # What a test that needs a missing tool reports.
@@ -121,11 +126,13 @@ ASK = textwrap.dedent("""
     import os
     import pytest
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
-    from tests import browser, conftest
+    from tests import browser, conftest, pgbouncer
 
     browser.CHROMIUM = "/nonexistent/chromium"
+    pgbouncer.BINARY = "/nonexistent/pgbouncer"
     for name, ask in [("chromium", browser.chromium_executable),
-                      ("faketime", lambda: conftest.missing_tool("libfaketime", "faketime"))]:
+                      ("faketime", lambda: conftest.missing_tool("libfaketime", "faketime")),
+                      ("pgbouncer", pgbouncer.installed_binary)]:
         try:
             print(name, "ok", ask())
         except pytest.skip.Exception as exc:
@@ -148,6 +155,8 @@ def test_a_missing_tool_skips_its_tests_saying_how_to_get_it_and_fails_them_on_c
                                  " `sh scripts/system.sh` as root, or `apt-get install chromium`")
     assert local["faketime"] == ("skipped libfaketime is not installed: run `sh scripts/system.sh`"
                                  " as root, or `apt-get install faketime`")
-    for name in ("chromium", "faketime"):
+    assert local["pgbouncer"] == ("skipped PgBouncer (/nonexistent/pgbouncer) is not installed: run"
+                                  " `sh scripts/system.sh` as root, or `apt-get install pgbouncer`")
+    for name in ("chromium", "faketime", "pgbouncer"):
         assert ci[name].startswith("failed ") and "CI=true" in ci[name]
         assert "sh scripts/system.sh" in ci[name]
