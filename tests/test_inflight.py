@@ -78,13 +78,14 @@ def test_the_committer_groups_runs_that_wait_together_and_a_bad_row_fails_only_i
     locking.commit_memo(runs[3], runs[3].state, LEASE, progress(1), memo("t1/model"))
     groups = []
     real = locking.commit_memos
-    released = threading.Event()
+    released, entered = threading.Event(), threading.Event()
 
     def held_until_all_wait(commits_):
         # The first group waits until every run handed its memo over, so the next group
         # holds them all, whatever the threads' timing.
         if not released.is_set():
-            wait_for(lambda: committer._queue.qsize() >= 5, timeout=10, message="five runs waiting")
+            entered.set()
+            wait_for(lambda: committer._queue.qsize() >= 5, timeout=60, message="five runs waiting")
             released.set()
         groups.append(len(commits_))
         return real(commits_)
@@ -108,8 +109,7 @@ def test_the_committer_groups_runs_that_wait_together_and_a_bad_row_fails_only_i
     try:
         threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
         threads[0].start()  # alone in the first group, which waits for the other five
-        wait_for(lambda: committer.rows == 0 and committer._thread is not None
-                 and committer._queue.qsize() == 0, message="the first run's memo taken")
+        assert entered.wait(60), "the first run's memo was never taken"
         for thread in threads[1:]:
             thread.start()
         for thread in threads:

@@ -182,16 +182,67 @@ FROM moved
 """
 
 
+# The memos of many runs (each its own job: a run waits for its commit) in one statement:
+# one round trip and one WAL flush for the group, each row fenced by its own lease; the ids
+# of the jobs whose memo was written come back.
+COMMIT_MEMOS = """
+WITH given AS (
+    SELECT * FROM unnest(%(ids)s::text[], %(states)s::text[], %(tokens)s::bigint[],
+                         %(leases)s::float8[], %(progress)s::text[], %(keys)s::text[],
+                         %(kinds)s::text[], %(names)s::text[], %(seqs)s::int[], %(turns)s::int[],
+                         %(fingerprints)s::text[], %(outputs)s::text[], %(costs)s::numeric[],
+                         %(input_tokens)s::int[], %(output_tokens)s::int[], %(models)s::text[],
+                         %(micros)s::bigint[], %(attempts)s::int[], %(workflows)s::text[])
+        AS g(id, state, token, lease, progress, key, kind, name, seq, turn, fingerprint, output,
+             cost, input_tokens, output_tokens, model, micros, attempt, workflow)
+), fenced AS (
+    -- In id order, as the heartbeat's renewal locks its rows: no deadlock between them.
+    SELECT j.id FROM durable_job AS j JOIN given AS g
+      ON j.id = g.id AND j.state = g.state AND j.lease_token = g.token
+    WHERE j.lease_until >= statement_timestamp()
+    ORDER BY j.id
+    FOR UPDATE OF j
+), moved AS (
+    UPDATE durable_job AS j
+    SET progress = g.progress::jsonb, attempts = 1, updated = statement_timestamp(),
+        lease_until = statement_timestamp() + g.lease * interval '1 second',
+        next_run_at = statement_timestamp() + g.lease * interval '1 second',
+        last_error = ''
+    FROM given AS g JOIN fenced USING (id)
+    WHERE j.id = g.id
+    RETURNING j.id
+), memo AS (
+    INSERT INTO durable_stepresult (job_id, step, kind, name, seq, turn, fingerprint, output, cost,
+                                    input_tokens, output_tokens, model, duration, attempt, workflow, at)
+    SELECT g.id, g.key, g.kind, g.name, g.seq, g.turn, g.fingerprint, g.output::jsonb, g.cost,
+           g.input_tokens, g.output_tokens, g.model, g.micros * interval '1 microsecond',
+           g.attempt, g.workflow, statement_timestamp()
+    FROM given AS g JOIN moved USING (id)
+)
+SELECT id FROM moved
+"""
+
+
 # Jobs: the heartbeat -------------------------------------------------------------------------
 
 # The heartbeat: renew every live lease a worker process holds, in one statement; the
-# ids renewed come back (a pair missing lost its lease).
+# ids renewed come back (a pair missing lost its lease). Its rows are locked in id order,
+# as the group commit locks its own: two statements that each update many rows of one
+# process's jobs would otherwise deadlock, each holding a row the other waits for.
 RENEW_LEASES = """
+WITH held AS (
+    SELECT j.id FROM durable_job AS j
+    JOIN unnest(%(ids)s::text[], %(tokens)s::bigint[]) AS h(id, token)
+      ON j.id = h.id AND j.lease_token = h.token
+    WHERE j.lease_until >= statement_timestamp()
+    ORDER BY j.id
+    FOR UPDATE OF j
+)
 UPDATE durable_job AS j
 SET lease_until = statement_timestamp() + %(lease)s * interval '1 second',
     next_run_at = statement_timestamp() + %(lease)s * interval '1 second'
-FROM unnest(%(ids)s::text[], %(tokens)s::bigint[]) AS held(id, token)
-WHERE j.id = held.id AND j.lease_token = held.token AND j.lease_until >= statement_timestamp()
+FROM held
+WHERE j.id = held.id
 RETURNING j.id
 """
 
@@ -432,10 +483,33 @@ class PostgresStore(Database):
             return cursor.fetchone()[0]
 
     def commit_memos(self, commits):
-        """One transaction of self-fenced statements: one commit (one WAL flush) for them all."""
-        db = connected()
-        with transaction.atomic():
-            return [self.commit_memo(*each, db=db) for each in commits]
+        """One statement for the group: one round trip and one WAL flush for them all.
+
+        One round trip matters as much as one flush: the group commit's thread shares its
+        process with hundreds of runs, and waits for the GIL after every reply it reads.
+        Two memos of one job in a group (never from one run, which waits for its commit)
+        go one by one in a transaction instead, each fenced as it comes.
+        """
+        if len({claimed.id for claimed, *_ in commits}) < len(commits):
+            db = connected()
+            with transaction.atomic():
+                return [self.commit_memo(*each, db=db) for each in commits]
+        columns = {name: [] for name in (
+            "ids", "states", "tokens", "leases", "progress", "keys", "kinds", "names", "seqs", "turns",
+            "fingerprints", "outputs", "costs", "input_tokens", "output_tokens", "models", "micros",
+            "attempts", "workflows")}
+        for claimed, state, lease_seconds, progress_json, c in commits:
+            for name, value in (
+                    ("ids", claimed.id), ("states", state), ("tokens", claimed.lease_token),
+                    ("leases", float(lease_seconds)), ("progress", progress_json), ("keys", c.key),
+                    ("kinds", c.kind), ("names", c.name), ("seqs", c.seq), ("turns", c.turn),
+                    ("fingerprints", c.fingerprint), ("outputs", c.output_json), ("costs", c.cost),
+                    ("input_tokens", c.input_tokens), ("output_tokens", c.output_tokens),
+                    ("models", c.model), ("micros", c.duration // MICROSECOND),
+                    ("attempts", c.attempt), ("workflows", c.workflow)):
+                columns[name].append(value)
+        written = {row[0] for row in self.execute(COMMIT_MEMOS, columns).fetchall()}
+        return [claimed.id in written for claimed, *_ in commits]
 
     # Outbox rows ------------------------------------------------------------------------------
 

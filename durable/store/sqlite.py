@@ -160,6 +160,31 @@ VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, {NOW})
 """
 
 
+# The memos of many runs (each its own job) in two statements: the fenced progress of every
+# job, its ids coming back, then the memos of the jobs it moved. {given} is one row of
+# "(?, ?, ?, ?, ?)" (id, state, token, progress, lease modifier) per memo.
+GROUP_PROGRESS = f"""
+WITH given(id, state, token, progress, modifier) AS (VALUES {{given}})
+UPDATE durable_job
+SET progress = given.progress, attempts = 1, updated = {NOW},
+    lease_until = strftime('%Y-%m-%d %H:%M:%f', 'now', given.modifier),
+    next_run_at = strftime('%Y-%m-%d %H:%M:%f', 'now', given.modifier),
+    last_error = ''
+FROM given
+WHERE durable_job.id = given.id AND durable_job.state = given.state
+  AND durable_job.lease_token = given.token AND durable_job.lease_until >= {NOW}
+RETURNING durable_job.id
+"""
+
+# {memos} is one "(?, ... , NOW)" row of CALL_MEMO's columns per memo to write.
+GROUP_MEMOS = """
+INSERT INTO durable_stepresult (job_id, step, kind, name, seq, turn, fingerprint, output, cost,
+                                input_tokens, output_tokens, model, duration, attempt, workflow, at)
+VALUES {memos}
+"""
+GROUP_MEMO_ROW = f"(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, {NOW})"
+
+
 # Jobs: the heartbeat -------------------------------------------------------------------------
 
 # Renew every live lease a worker process holds, the ids renewed coming back; {pairs} is
@@ -402,8 +427,32 @@ class SqliteStore(Database):
                               connected())
 
     def commit_memos(self, commits):
-        """Every memo in one IMMEDIATE transaction: one take of the write lock for them all."""
-        return self.immediate(lambda db: [self._memo(db, *each) for each in commits], connected())
+        """Every memo in one IMMEDIATE transaction of two statements, whatever their number.
+
+        Few statements matter as much as one take of the write lock: the group commit's
+        thread shares its process with hundreds of runs, and waits for the GIL after each.
+        Two memos of one job in a group go one by one instead, each fenced as it comes.
+        """
+        if len({claimed.id for claimed, *_ in commits}) < len(commits):
+            return self.immediate(lambda db: [self._memo(db, *each) for each in commits], connected())
+
+        def write(db):
+            given = []
+            for claimed, state, lease_seconds, progress_json, _ in commits:
+                given += (claimed.id, state, claimed.lease_token, progress_json, delta(lease_seconds))
+            statement = GROUP_PROGRESS.format(given=", ".join(["(?, ?, ?, ?, ?)"] * len(commits)))
+            moved = {row[0] for row in self.execute(statement, given, db).fetchall()}
+            rows = [each for each in commits if each[0].id in moved]
+            if rows:
+                values = []
+                for claimed, _, _, _, c in rows:
+                    values += (claimed.id, c.key, c.kind, c.name, c.seq, c.turn, c.fingerprint,
+                               c.output_json, str(c.cost), c.input_tokens, c.output_tokens, c.model,
+                               c.duration // MICROSECOND, c.attempt, c.workflow)
+                self.execute(GROUP_MEMOS.format(memos=", ".join([GROUP_MEMO_ROW] * len(rows))), values, db)
+            return [claimed.id in moved for claimed, *_ in commits]
+
+        return self.immediate(write, connected())
 
     def _memo(self, db, claimed, state, lease_seconds, progress_json, c):
         modifier = delta(lease_seconds)
