@@ -143,11 +143,15 @@ def run_worker_inline():
     def run(**kwargs):
         worker = Worker(name="test-worker", burst=True, **kwargs)
         worker.runner.heartbeat = None
-        while True:
-            started = worker.runner.claim(worker.workflows, worker.queues)
-            if started is None:
-                return worker
-            worker.runner.run(started)
+        try:
+            while True:
+                started = worker.runner.claim(worker.workflows, worker.queues)
+                if started is None:
+                    return worker
+                worker.runner.run(started)
+        finally:
+            if worker.commits is not None:
+                worker.commits.close()  # its thread's connection, as Worker.run() would
 
     return run
 

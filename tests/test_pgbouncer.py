@@ -56,6 +56,16 @@ def pgbouncer(django_db_setup):
         running.name = name
         assert running.setting("pool_mode") == "transaction"
         yield running
+    # Its server connections end a moment after it does; the test database is dropped at
+    # the end of the session, which no connection may still be using.
+    wait_for(lambda: not sessions_from_others(), timeout=15, message="PgBouncer's sessions to end")
+
+
+def sessions_from_others():
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                       " AND pid <> pg_backend_pid()")
+        return cursor.fetchone()[0]
 
 
 def direct_url():

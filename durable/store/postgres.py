@@ -199,7 +199,7 @@ WITH given AS (
     -- In id order, as the heartbeat's renewal locks its rows: no deadlock between them.
     SELECT j.id FROM durable_job AS j JOIN given AS g
       ON j.id = g.id AND j.state = g.state AND j.lease_token = g.token
-    WHERE j.lease_until >= statement_timestamp()
+    WHERE j.id = ANY(%(ids)s::text[]) AND j.lease_until >= statement_timestamp()
     ORDER BY j.id
     FOR UPDATE OF j
 ), moved AS (
@@ -209,7 +209,7 @@ WITH given AS (
         next_run_at = statement_timestamp() + g.lease * interval '1 second',
         last_error = ''
     FROM given AS g JOIN fenced USING (id)
-    WHERE j.id = g.id
+    WHERE j.id = g.id AND j.id = ANY(%(ids)s::text[])
     RETURNING j.id
 ), memo AS (
     INSERT INTO durable_stepresult (job_id, step, kind, name, seq, turn, fingerprint, output, cost,
@@ -234,7 +234,7 @@ WITH held AS (
     SELECT j.id FROM durable_job AS j
     JOIN unnest(%(ids)s::text[], %(tokens)s::bigint[]) AS h(id, token)
       ON j.id = h.id AND j.lease_token = h.token
-    WHERE j.lease_until >= statement_timestamp()
+    WHERE j.id = ANY(%(ids)s::text[]) AND j.lease_until >= statement_timestamp()
     ORDER BY j.id
     FOR UPDATE OF j
 )
@@ -242,7 +242,7 @@ UPDATE durable_job AS j
 SET lease_until = statement_timestamp() + %(lease)s * interval '1 second',
     next_run_at = statement_timestamp() + %(lease)s * interval '1 second'
 FROM held
-WHERE j.id = held.id
+WHERE j.id = held.id AND j.id = ANY(%(ids)s::text[])
 RETURNING j.id
 """
 
