@@ -77,7 +77,7 @@ def check_threads(app_configs, **kwargs):
     problems = []
     ids = {"THREADS": "durable.E040", "MAX_ABANDONED_THREADS": "durable.E041",
            "CONNECTIONS": "durable.E043"}
-    for name, least in (("THREADS", 1), ("MAX_ABANDONED_THREADS", 0), ("CONNECTIONS", 2)):
+    for name, least in (("THREADS", 1), ("MAX_ABANDONED_THREADS", 0), ("CONNECTIONS", 3)):
         value = getattr(durable_settings, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             problems.append(checks.Error(

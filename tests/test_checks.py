@@ -167,8 +167,8 @@ def test_an_unacknowledged_bound_below_the_lease_or_left_to_its_default_passes(s
     assert checks.check_unacked_bound(None) == []
 
 
-@pytest.mark.parametrize("value", [1, 0, "4", 2.5, True])
-def test_connections_per_process_that_are_not_a_whole_number_of_at_least_two_are_an_error(settings, value):
+@pytest.mark.parametrize("value", [2, 0, "4", 2.5, True])
+def test_connections_per_process_that_are_not_a_whole_number_of_at_least_three_are_an_error(settings, value):
     settings.DURABLE = {**getattr(settings, "DURABLE", {}), "CONNECTIONS": value}
     found = [p for p in checks.check_threads(None) if p.id == "durable.E043"]
     assert len(found) == 1 and "CONNECTIONS" in found[0].msg

@@ -141,9 +141,9 @@ def test_a_memo_committed_inside_the_caller_s_transaction_stays_in_it():
     assert committer.transactions == 0  # it never went through the group
 
 
-def test_runworkers_refuses_fewer_than_two_connections():
-    with pytest.raises(CommandError, match="--connections must be at least 2"):
-        call_command("runworkers", "--connections", "1")
+def test_runworkers_refuses_fewer_than_three_connections():
+    with pytest.raises(CommandError, match="--connections must be at least 3"):
+        call_command("runworkers", "--connections", "2")
 
 
 # Real processes ---------------------------------------------------------------------------

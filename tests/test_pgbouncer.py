@@ -135,7 +135,7 @@ def test_a_batch_of_pipelines_finishes_through_pgbouncer_with_runs_sharing_few_c
     # Four runs in flight per process share two connections (a pool): a thread hands its
     # connection back whenever it waits, so one run's statements travel on several client
     # connections, each transaction on whichever server connection PgBouncer picks.
-    out = burst(workers, pgbouncer, "--threads", "4", "--connections", "2", prepared=prepared)
+    out = burst(workers, pgbouncer, "--threads", "4", "--connections", "3", prepared=prepared)
 
     assert dict(collections.Counter(Job.objects.values_list("state", flat=True))) == {"delivered": jobs}, out
     assert StepResult.objects.count() == 4 * jobs  # one memo per step, none twice
@@ -143,6 +143,22 @@ def test_a_batch_of_pipelines_finishes_through_pgbouncer_with_runs_sharing_few_c
     # Every step's commit is a transaction of its own, and each went through PgBouncer.
     assert pgbouncer.transactions(pgbouncer.name) - before >= 4 * jobs
     assert f"{jobs} jobs finished, 0 failed" in out
+
+
+def test_prepared_statements_behind_a_pgbouncer_that_cannot_keep_them_are_named_as_the_cause(
+        pgbouncer, workers):
+    if keeps_prepared_statements(pgbouncer.binary):
+        pytest.skip("this PgBouncer keeps prepared statements (1.21 or newer)")
+    for n in range(8):
+        durable.submit("test_pipeline", f"doc-{n}", {"doc": f"document {n}"})
+    proc = workers.start("--burst", "--threads", "4", "--connections", "3", processes=2,
+                         env=through(pgbouncer, prepared=True))
+    hint = "set DURABLE['PREPARED_STATEMENTS'] = False"
+    # The workers cannot work this way (they back off as in an outage); what matters is
+    # that their log says why and what to change, not only that the database failed.
+    wait_for(lambda: hint in workers.output(proc), timeout=30, message="the hint in the log")
+    workers.kill(proc)
+    assert "prepared statement" in workers.output(proc)
 
 
 SUBMIT = """
@@ -224,7 +240,7 @@ def test_agents_run_through_pgbouncer_and_pay_each_model_call_once(pgbouncer, wo
         for n in range(agents):
             durable.submit("test_agent", f"agent-{n}", {"model_url": server.url, "log": str(log)})
         # Every run in flight at once in one process, its memos in the group commit.
-        burst(workers, pgbouncer, "--threads", str(agents), "--connections", "2", processes=1)
+        burst(workers, pgbouncer, "--threads", str(agents), "--connections", "3", processes=1)
         paid = collections.Counter(call.turn for call in server.paid_calls())
 
     for n in range(agents):

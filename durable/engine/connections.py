@@ -57,8 +57,10 @@ def pool_connections(size, connections_=None):
         pool.setdefault("max_size", int(size))
         pool.setdefault("min_size", min(2, pool["max_size"]))
         # A thread waits this long for a connection before its statement fails as a
-        # database error (the loop's backoff then takes over, as for an outage).
-        pool.setdefault("timeout", float(durable_settings.DB_CONNECT_TIMEOUT or 30))
+        # database error (the loop's backoff then takes over, as for an outage). Waiting
+        # holds nothing, and a process whose runs keep its CPU busy hands connections back
+        # late: a short wait would turn a busy minute into errors and backoffs.
+        pool.setdefault("timeout", max(30.0, float(durable_settings.DB_CONNECT_TIMEOUT or 0)))
         options["pool"] = pool
         # The pool keeps connections; Django refuses a pool with persistent connections.
         settings_dict["CONN_MAX_AGE"] = 0

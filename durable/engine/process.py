@@ -188,6 +188,21 @@ class Waiter:
             self._listen = None
 
 
+# SQLSTATEs of a prepared statement the server connection does not have, or has another of
+# the same name: what a pooler that hands server sessions between clients causes.
+PREPARED_STATEMENT_STATES = {"26000", "42P05", "08P01"}
+
+
+def _hint(exc):
+    """What to change, when a database error says more than that the database went away."""
+    cause = exc.__cause__ or exc
+    if getattr(cause, "sqlstate", None) in PREPARED_STATEMENT_STATES and "prepared statement" in str(exc):
+        return (" (a connection pooler such as PgBouncer before 1.21 in transaction mode keeps no"
+                " prepared statements: set DURABLE['PREPARED_STATEMENTS'] = False, or"
+                " max_prepared_statements in pgbouncer.ini)")
+    return ""
+
+
 class Drains:
     """Signal handling shared by the worker and the dispatcher loops.
 
@@ -259,7 +274,8 @@ class Drains:
         lost: uncommitted work rolls back and leases expire.
         """
         delay = min(30.0, 0.5 * 2 ** min(failures, 6))
-        logger.warning("%s database error, reconnecting in %.1fs: %s", self.name, delay, exc)
+        logger.warning("%s database error, reconnecting in %.1fs: %s%s", self.name, delay, exc,
+                       _hint(exc))
         for conn in connections.all(initialized_only=True):
             try:
                 conn.close()

@@ -95,11 +95,13 @@ class Heartbeat(threading.Thread):
     it (one thread per process) the process exits, to be replaced.
     """
 
-    def __init__(self, lease_seconds, tick=0.2, on_abandoned=None, release=None):
+    def __init__(self, lease_seconds, tick=0.2, on_abandoned=None, keep_connection=False):
         super().__init__(name="durable-heartbeat", daemon=True)
         self.lease_seconds = lease_seconds
-        # Gives the renewals' connection back between renewals (a process that shares few).
-        self.release = release
+        # A process whose threads share a pool: the renewals take their connection from it
+        # when the heartbeat starts and never give it back, so a pool that hundreds of
+        # busy runs keep drained can never make the leases lapse.
+        self.keep_connection = keep_connection
         # Give up a little before the lease ends: the lease was set by a statement that
         # ran shortly before this process learnt of it.
         self.margin = min(float(durable_settings.LEASE_MARGIN_SECONDS), lease_seconds / 10)
@@ -164,6 +166,8 @@ class Heartbeat(threading.Thread):
         self._renewals.put(None)
 
     def run(self):
+        if self.keep_connection:
+            self._start_renewer()
         while not self._stop_event.wait(self.tick):
             self._tick()
 
@@ -265,13 +269,21 @@ class Heartbeat(threading.Thread):
         os._exit(EXIT_LEASE_UNRENEWABLE)
 
     def _renew_in_background(self, batch, asked):
+        self._start_renewer()
+        self._renewals.put((batch, asked))
+
+    def _start_renewer(self):
         if self._renewer is None:
             self._renewer = threading.Thread(target=self._renew_loop, name="durable-lease-renewal",
                                              daemon=True)
             self._renewer.start()
-        self._renewals.put((batch, asked))
 
     def _renew_loop(self):
+        if self.keep_connection:
+            try:
+                connection.ensure_connection()  # its own, taken before the runs take theirs
+            except DatabaseError as exc:
+                logger.warning("the lease renewal could not connect yet (will retry): %s", exc)
         try:
             while (item := self._renewals.get()) is not None:
                 self._renew(*item)
@@ -290,8 +302,6 @@ class Heartbeat(threading.Thread):
                 for entry in batch:
                     entry.lease.in_flight, entry.lease.failing = False, True
             return
-        if self.release is not None:
-            self.release()
         lost = []
         with self._lock:
             self._batch = None
@@ -379,7 +389,7 @@ class Worker(Drains):
         # did; with more, the process keeps serving its other jobs.
         self.heartbeat = Heartbeat(self.lease_seconds,
                                    on_abandoned=self._abandoned if self.threads > 1 else None,
-                                   release=release)
+                                   keep_connection=self.sharing)
         self.waiter = Waiter(poll_interval or durable_settings.POLL_INTERVAL, turns=listen_turns,
                              release=release)
         self.steps_run = 0
