@@ -58,6 +58,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.phase import rss_kb  # noqa: E402 - after the path that finds it
+
 AGENT = "bench_inflight_agent"
 PG_DATABASE = "durable_bench_inflight"
 PEER_VENV = ROOT / "bench" / ".venv-procrastinate"
@@ -244,16 +248,6 @@ def _children(pid):
     return kids
 
 
-def _rss_kb(pid):
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
 class Sampler(threading.Thread):
     """Every 0.2 s: CPU of the workers' tree and of the server, RSS per worker, DB connections."""
 
@@ -282,7 +276,7 @@ class Sampler(threading.Thread):
                     if ticks is not None:
                         self.last_ticks[pid] = ticks
                 for pid in workers:
-                    rss = _rss_kb(pid)
+                    rss = rss_kb(pid)
                     if rss:
                         self.peak_rss_kb[pid] = max(rss, self.peak_rss_kb.get(pid, 0))
                 connections = None

@@ -497,7 +497,7 @@ def _children(pid):
     return [int(p) for p in text.split()]
 
 
-def _rss_kb(pid):
+def rss_kb(pid):
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
@@ -520,7 +520,7 @@ def phase_rss(args):
         time.sleep(args.get("interval", 1.0))
         kids = _children(proc.pid)
         worker = kids[0] if kids else worker
-        rss = _rss_kb(worker) if worker else None
+        rss = rss_kb(worker) if worker else None
         with connection.cursor() as cur:
             cur.execute("SELECT count(*) FROM durable_stepresult")
             steps = cur.fetchone()[0]

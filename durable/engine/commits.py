@@ -21,7 +21,7 @@ from django.db import connection
 
 from ..signals import memos_committed
 from ..store import locking
-from .process import keep_connections_healthy
+from .process import keep_connections_healthy, waiting_behind
 
 logger = logging.getLogger("durable.worker")
 
@@ -85,16 +85,7 @@ class MemoCommits:
     def _serve(self):
         try:
             while (first := self._queue.get()) is not None:
-                batch, last = [first], False
-                while len(batch) < self.most:
-                    try:
-                        item = self._queue.get_nowait()
-                    except queue.Empty:
-                        break
-                    if item is None:
-                        last = True
-                        break
-                    batch.append(item)
+                batch, last = waiting_behind(self._queue, first, self.most)
                 self._write(batch)
                 if last:
                     return

@@ -16,6 +16,7 @@ whose ``channel`` is its NOTIFY channel (a constant in ``durable.store.locking``
 
 import logging
 import os
+import queue
 import signal
 import socket
 import threading
@@ -39,6 +40,21 @@ logger = logging.getLogger("durable.worker")
 def worker_id(role="worker", index=0):
     """The name a process's loop records on leases and events: ``host:pid:role<index>``."""
     return f"{socket.gethostname()}:{os.getpid()}:{role}{index}"
+
+
+def waiting_behind(items, first, most):
+    """``first`` and what waits behind it in the queue ``items`` (at most ``most`` in all),
+    without waiting: ``(batch, last)``, ``last`` True when the closing mark (None) was among them."""
+    batch = [first]
+    while len(batch) < most:
+        try:
+            item = items.get_nowait()
+        except queue.Empty:
+            break
+        if item is None:
+            return batch, True
+        batch.append(item)
+    return batch, False
 
 
 def keep_connections_healthy():

@@ -30,7 +30,7 @@ import time
 from django.db import connection
 
 from ...conf import durable_settings
-from ..process import keep_connections_healthy
+from ..process import keep_connections_healthy, waiting_behind
 
 logger = logging.getLogger("durable.dispatch")
 
@@ -182,16 +182,7 @@ class Batches:
 
     def _batch(self, first):
         """Write ``first`` and what waits behind it; True when the closing mark was among them."""
-        batch, last = [first], False
-        while len(batch) < self.most:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is None:
-                last = True
-                break
-            batch.append(item)
+        batch, last = waiting_behind(self._queue, first, self.most)
         try:
             keep_connections_healthy()
             self._write(batch)

@@ -89,7 +89,8 @@ class Command(BaseCommand):
         if threads is not None and threads < 1:
             raise CommandError("--threads must be at least 1")
         if connections is not None and connections < 3:
-            raise CommandError("--connections must be at least 3 (the lease renewal's, the group commit's and the runs')")
+            raise CommandError("--connections must be at least 3"
+                               " (the lease renewal's, the group commit's and the runs')")
         if dispatchers < 1:
             raise CommandError("--dispatchers must be at least 1 (use --no-dispatcher for none)")
         if no_dispatcher and dispatcher_only:
