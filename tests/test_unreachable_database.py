@@ -18,7 +18,7 @@ from django.db.utils import ConnectionHandler, OperationalError
 
 import durable
 from durable.conf import bound_database_connections, connection_options
-from durable.engine import worker as worker_module
+from durable.engine import heartbeat as heartbeat_module
 from durable.models import EventKind, Job, JobEvent, StepResult
 
 from .conftest import ON_POSTGRES, wait_for
@@ -90,7 +90,7 @@ def _started(job="job-1"):
 @pytest.fixture
 def heartbeat(monkeypatch):
     """A heartbeat with a one-second lease whose abandonment is recorded, not an exit."""
-    beat = worker_module.Heartbeat(1.0, tick=0.02)
+    beat = heartbeat_module.Heartbeat(1.0, tick=0.02)
     abandoned = []
 
     def abandon(started, silent):
@@ -121,7 +121,7 @@ def _renewed(held):
 
 def test_a_renewal_that_hangs_abandons_the_step_before_the_lease_ends(heartbeat, monkeypatch):
     release = threading.Event()
-    monkeypatch.setattr(worker_module.locking, "renew_leases",
+    monkeypatch.setattr(heartbeat_module.locking, "renew_leases",
                         lambda held, seconds: _renewed(held) if release.wait(30) else set())
     began = time.monotonic()
     heartbeat.watch(_started(), 60, None)
@@ -141,7 +141,7 @@ def test_renewals_that_fail_abandon_the_step_and_are_retried_meanwhile(heartbeat
         calls.append(time.monotonic())
         raise OperationalError("connection to server failed: No route to host")
 
-    monkeypatch.setattr(worker_module.locking, "renew_leases", unreachable)
+    monkeypatch.setattr(heartbeat_module.locking, "renew_leases", unreachable)
     heartbeat.watch(_started(), 60, None)
     _drive(heartbeat, 3)
     assert heartbeat.abandoned
@@ -150,7 +150,7 @@ def test_renewals_that_fail_abandon_the_step_and_are_retried_meanwhile(heartbeat
 
 def test_renewals_that_succeed_keep_the_step_running_past_the_lease(heartbeat, monkeypatch):
     calls = []
-    monkeypatch.setattr(worker_module.locking, "renew_leases",
+    monkeypatch.setattr(heartbeat_module.locking, "renew_leases",
                         lambda held, seconds: calls.append(held) or _renewed(held))
     heartbeat.watch(_started(), 60, None)
     _drive(heartbeat, 2.5)
@@ -162,7 +162,7 @@ def test_a_lease_the_database_says_is_gone_is_left_to_the_fenced_commit(heartbea
     # A process that was frozen (SIGSTOP, a long GC pause) asks once, learns the lease is
     # gone, and stops asking; its commit is refused by the fence, as the drills show.
     calls = []
-    monkeypatch.setattr(worker_module.locking, "renew_leases",
+    monkeypatch.setattr(heartbeat_module.locking, "renew_leases",
                         lambda held, seconds: calls.append(held) or set())
     heartbeat.watch(_started(), 60, None)
     _drive(heartbeat, 2.0)

@@ -396,7 +396,7 @@ class Supervisor:
                 self._restart(slot, code)
 
     def _restart(self, slot, code):
-        from .worker import EXIT_LEASE_UNRENEWABLE, EXIT_STEP_TIMEOUT, EXIT_THREADS_ABANDONED
+        from .heartbeat import EXIT_LEASE_UNRENEWABLE, EXIT_STEP_TIMEOUT, EXIT_THREADS_ABANDONED
 
         role, index, _ = slot
         why = {EXIT_STEP_TIMEOUT: "after a step timeout",
