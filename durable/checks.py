@@ -88,6 +88,30 @@ def check_threads(app_configs, **kwargs):
     return problems
 
 
+@checks.register()
+def check_connection_pool(app_configs, **kwargs):
+    """More worker threads than connections on PostgreSQL need psycopg's pool package."""
+    if not database.of(connections["default"]).limits_connections:
+        return []
+    threads, pool_size = durable_settings.THREADS, durable_settings.CONNECTIONS
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (threads, pool_size)):
+        return []  # durable.E040 / E043 say so
+    if threads + 2 <= pool_size:
+        return []
+    try:
+        import psycopg_pool  # noqa: F401
+    except ImportError:
+        return [checks.Error(
+            f"DURABLE['THREADS'] ({threads}) and the lease renewal and group commit are more than"
+            f" DURABLE['CONNECTIONS'] ({pool_size}): worker threads share a connection pool,"
+            " which needs the psycopg_pool package, and it is not installed.",
+            hint="pip install 'psycopg[pool]' (or django-durable-workflows[postgres]); or raise"
+                 " CONNECTIONS to THREADS + 2.",
+            id="durable.E044",
+        )]
+    return []
+
+
 @checks.register(checks.Tags.database)
 def check_connection_budget(app_configs, databases=None, **kwargs):
     """processes x connections that cannot fit the server's max_connections (manage.py check --database default)."""

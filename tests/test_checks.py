@@ -197,3 +197,16 @@ def test_processes_times_connections_beyond_max_connections_are_warned_with_the_
 def test_sqlite_is_never_warned_about_connections(settings):
     settings.DURABLE = {**getattr(settings, "DURABLE", {}), "PROCESSES": 1000, "THREADS": 1000}
     assert checks.check_connection_budget(None, databases=["default"]) == []
+
+
+@pytest.mark.skipif(not ON_POSTGRES, reason="SQLite needs no connection pool")
+def test_threads_sharing_connections_without_psycopg_pool_installed_are_an_error(settings, monkeypatch):
+    import sys
+
+    settings.DURABLE = {**getattr(settings, "DURABLE", {}), "THREADS": 100, "CONNECTIONS": 6}
+    assert checks.check_connection_pool(None) == []  # installed here
+    monkeypatch.setitem(sys.modules, "psycopg_pool", None)  # as if it were not
+    [found] = checks.check_connection_pool(None)
+    assert found.id == "durable.E044" and "psycopg[pool]" in found.hint
+    settings.DURABLE = {**settings.DURABLE, "THREADS": 4}  # 4 + 2 fit in 6: no pool needed
+    assert checks.check_connection_pool(None) == []
