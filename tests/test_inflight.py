@@ -252,7 +252,8 @@ def test_runs_in_flight_killed_at_random_lose_no_run_and_pay_again_only_for_call
 
     from tests.drills.lab import children
 
-    runs, kills = 80, 3
+    # 80 in CI; DURABLE_INFLIGHT_DRILL_RUNS=1000 runs the same drill with a thousand in flight.
+    runs, kills = int(os.environ.get("DURABLE_INFLIGHT_DRILL_RUNS", 80)), 3
     log = tmp_path / "tools.log"
     rng = random.Random(7)
     with FakeModelServer(LOOKUP_THEN_ANSWER, latency=0.4) as server:
@@ -268,7 +269,7 @@ def test_runs_in_flight_killed_at_random_lose_no_run_and_pay_again_only_for_call
             if pids and Job.objects.exclude(state="done").exists():
                 os.kill(rng.choice(pids), signal.SIGKILL)
                 killed += 1
-        wait_for(lambda: Job.objects.filter(state="done").count() == runs, timeout=90,
+        wait_for(lambda: Job.objects.filter(state="done").count() == runs, timeout=90 + runs / 10,
                  message="every run to finish after the kills")
         assert workers.terminate(proc) == 0
         calls = server.paid_calls()
