@@ -155,6 +155,9 @@ class Worker(Drains):
             # 5 ms among them cost more CPU than they buy (measured at 500 per process:
             # 7.5 ms of CPU per model call at 5 ms, 5.8-6.8 at 20 ms; bench/inflight.py).
             sys.setswitchinterval(max(sys.getswitchinterval(), LONG_SWITCH_INTERVAL))
+            store = database.current()
+            if store.one_writer:
+                store.take_turns()  # SQLite: its threads queue for the write lock in Python
         self.heartbeat.start()
         logger.info("%s started (lease %ss, %d thread%s%s%s)", self.name, self.lease_seconds,
                     self.threads, "" if self.threads == 1 else "s",
