@@ -3,7 +3,7 @@
 from django.core import checks
 from django.db import connections
 
-from .conf import durable_settings
+from .conf import durable_settings, shares_connections
 from .core.workflows import registry
 from .store import database
 
@@ -96,7 +96,7 @@ def check_connection_pool(app_configs, **kwargs):
     threads, pool_size = durable_settings.THREADS, durable_settings.CONNECTIONS
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in (threads, pool_size)):
         return []  # durable.E040 / E043 say so
-    if threads + 2 <= pool_size:
+    if not shares_connections(threads, pool_size):
         return []
     try:
         import psycopg_pool  # noqa: F401

@@ -187,6 +187,16 @@ def bound_database_connections(connections_=None):
                 target.setdefault(key, value)
 
 
+# Threads of a worker process that keep a connection besides its runs: the lease renewal
+# and the group commit (a dispatcher's: its loop and its recorder of confirmed sends).
+KEPT_CONNECTIONS = 2
+
+
+def shares_connections(threads, connections):
+    """Whether ``threads`` runs and the kept ones are more than ``connections``: they share a pool."""
+    return threads + KEPT_CONNECTIONS > connections
+
+
 def connections_needed(processes, threads=None, connections=None, dispatchers=1):
     """The most PostgreSQL connections ``runworkers`` holds: ``(total, what it is made of)``.
 
@@ -196,8 +206,8 @@ def connections_needed(processes, threads=None, connections=None, dispatchers=1)
     """
     threads = int(threads or durable_settings.THREADS)
     connections = int(connections or durable_settings.CONNECTIONS)
-    worker = min(threads + 2, connections) + 1
-    dispatcher = min(int(durable_settings.DISPATCH_BATCH_SIZE) + 2, connections) + 1
+    worker = min(threads + KEPT_CONNECTIONS, connections) + 1
+    dispatcher = min(int(durable_settings.DISPATCH_BATCH_SIZE) + KEPT_CONNECTIONS, connections) + 1
     total = processes * worker + dispatchers * dispatcher + 1
     parts = f"{processes} worker process{'es' if processes != 1 else ''} x {worker}"
     if dispatchers:

@@ -48,8 +48,7 @@ class MemoCommits:
         self._queue = queue.SimpleQueue()
         self._thread = None
         self._lock = threading.Lock()
-        self.transactions = 0  # written so far, for the workers page and the benchmarks
-        self.rows = 0
+        self.transactions = 0  # group transactions written so far
 
     def commit_memo(self, claimed, state, lease_seconds, progress_json, c):
         """Commit one memo with the rows that wait beside it; True, or False when fenced out."""
@@ -109,7 +108,6 @@ class MemoCommits:
             for pending, result in zip(batch, results, strict=True):
                 self._answer(pending, result=result)
         self.transactions += 1
-        self.rows += len(batch)
         if memos_committed.receivers:
             now = time.monotonic()
             memos_committed.send(None, rows=len(batch), seconds=now - began,

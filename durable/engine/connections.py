@@ -42,11 +42,9 @@ def pool_connections(size, connections_=None):
     Called by worker and dispatcher processes before they connect (it edits the
     connection settings of this process only). A pool the site configured itself
     (``OPTIONS["pool"]``) is kept, with ``size`` as its ``max_size`` unless it set one.
-    Returns True when a pool serves the default database.
     """
     if connections_ is None:
         connections_ = connections
-    pooled = False
     for alias in connections_:
         settings_dict = connections_.settings[alias]
         if "postgresql" not in settings_dict.get("ENGINE", ""):
@@ -64,13 +62,6 @@ def pool_connections(size, connections_=None):
         options["pool"] = pool
         # The pool keeps connections; Django refuses a pool with persistent connections.
         settings_dict["CONN_MAX_AGE"] = 0
-        pooled = pooled or alias == "default"
-    return pooled
-
-
-def pooled(alias="default"):
-    """Whether the threads of this process share a pool for ``alias``."""
-    return bool(connections.settings[alias].get("OPTIONS", {}).get("pool"))
 
 
 def release():
@@ -128,4 +119,4 @@ def connection_budget(processes=None, threads=None, connections_=None, dispatche
     )
 
 
-__all__ = ["connection_budget", "allow_open_files", "pool_connections", "pooled", "release"]
+__all__ = ["allow_open_files", "connection_budget", "pool_connections", "release"]

@@ -135,7 +135,7 @@ def of_loop(role, loop, parent_pid=None):
     # A loop whose threads share few connections: this thread holds none between beats.
     return Presence(role, name=loop.name, parent=supervisor_of(parent_pid) if parent_pid else "",
                     info=info, activity=loop.activity, draining=lambda: loop.stopping,
-                    reconnect=bool(getattr(loop, "sharing", False)))
+                    reconnect=loop.sharing)
 
 
 __all__ = ["Presence", "of_loop", "supervisor_of"]

@@ -30,8 +30,9 @@ except ImportError:  # Windows: every idle worker listens
 from django.db import connection, connections
 from django.db.utils import DatabaseError
 
-from ..conf import durable_settings
+from ..conf import durable_settings, shares_connections
 from ..store import database, locking
+from . import connections as connections_module
 
 # The loops' own logger names, kept when this code moved here: LOGGING configs name them.
 logger = logging.getLogger("durable.worker")
@@ -235,6 +236,14 @@ class Drains:
     release = None
     _pooled = False
 
+    def plan_connections(self, threads, connections):
+        """Decide whether this loop's ``threads`` share a pool of ``connections`` (see
+        durable.engine.connections): only on a server that counts connections."""
+        self.connections = int(connections)
+        self.sharing = (shares_connections(threads, self.connections)
+                        and database.current().limits_connections)
+        self.release = connections_module.release if self.sharing else None
+
     def share_connections(self):
         """Before this process's first connection: make its threads share a pool, if they do.
 
@@ -242,10 +251,8 @@ class Drains:
         workers page's thread included), and by ``run()`` for a loop run in-process.
         """
         if self.sharing and not self._pooled:
-            from .connections import pool_connections
-
             connection.close()  # opened before the pool existed: not the pool's to take back
-            pool_connections(self.connections)
+            connections_module.pool_connections(self.connections)
             self._pooled = True
 
     def __init__(self):

@@ -91,14 +91,10 @@ class Worker(Drains):
         self.until_stopped = until_stopped
         self.lease_seconds = lease_seconds or durable_settings.LEASE_SECONDS
         self.threads = int(threads or durable_settings.THREADS)
-        self.connections = int(connections or durable_settings.CONNECTIONS)
-        # More threads than connections (the runs', the lease renewal's and the group
-        # commit's), on a server that counts them: the threads share a pool and hold a
-        # connection only while they talk to the database.
-        self.sharing = (self.threads + 2 > self.connections
-                        and database.current().limits_connections)
-        release = shared_connections.release if self.sharing else None
-        self.release = release
+        # More threads than connections, on a server that counts them: the threads share
+        # a pool and hold a connection only while they talk to the database.
+        self.plan_connections(self.threads, connections or durable_settings.CONNECTIONS)
+        release = self.release
         # Agents' memos: one group commit for the process's runs (one transaction for
         # whatever is ready), as soon as two runs can be in flight.
         self.commits = MemoCommits(release=release) if self.threads > 1 else None

@@ -33,8 +33,7 @@ from ...conf import durable_settings
 from ...exceptions import UnknownDestination
 from ...models import Job, Outbox, Pause
 from ...schedules import firing as schedules
-from ...store import action_rows, database, locking
-from ..connections import release
+from ...store import action_rows, locking
 from ..process import Drains, Waiter, keep_connections_healthy, worker_id
 from .sender import Sender
 from .slots import Senders, Slots
@@ -79,10 +78,7 @@ class Dispatcher(Drains):
         self.slots = Slots(self.threads + self.ahead, self.slots_for)
         # More sending threads (with the loop's and the recorder's) than connections: they
         # share a pool, and a thread gives its connection back while its send waits.
-        self.connections = int(durable_settings.CONNECTIONS)
-        self.sharing = (self.threads + 2 > self.connections
-                        and database.current().limits_connections)
-        self.release = release if self.sharing else None
+        self.plan_connections(self.threads, durable_settings.CONNECTIONS)
         self.sender = Sender(self.name, self.lease_seconds, self.slots, release=self.release)
         self.waiter = OutboxWaiter(poll_interval or durable_settings.POLL_INTERVAL,
                                    release=self.release)
