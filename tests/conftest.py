@@ -125,6 +125,20 @@ def workers(tmp_path):
     w.close()
 
 
+@pytest.fixture
+def pgbouncer(django_db_setup):
+    """A PgBouncer in transaction pooling in front of the test database (``tests/pgbouncer.py``).
+
+    Skipped on SQLite, and where the pgbouncer binary is missing (failed with CI=true).
+    """
+    if not ON_POSTGRES:
+        pytest.skip("PgBouncer pools PostgreSQL connections (SQLite has no server)")
+    from tests.pgbouncer import in_front_of_test_database
+
+    with in_front_of_test_database() as running:
+        yield running
+
+
 def wait_for(predicate, timeout=30, interval=0.05, message="condition"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

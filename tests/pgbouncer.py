@@ -9,9 +9,12 @@ directory. Clients log in without a password (``auth_type = trust``); PgBouncer 
 logs in to the server as the same user, with the server's password if one is given.
 
 ``installed_binary()`` skips the calling test when the binary is missing, saying how to
-install it (``scripts/system.sh``), and fails it with ``CI=true``.
+install it (``scripts/system.sh``), and fails it with ``CI=true``. ``in_front_of_test_database()``
+starts one in front of the test database, and ``through()`` is a worker's environment
+that goes through it.
 """
 
+import contextlib
 import functools
 import os
 import pwd
@@ -200,3 +203,63 @@ def installed_binary():
     if not os.access(BINARY, os.X_OK):
         missing_tool(f"PgBouncer ({BINARY})", "pgbouncer")
     return BINARY
+
+
+@contextlib.contextmanager
+def in_front_of_test_database():
+    """A PgBouncer in transaction pooling in front of the test database, under the same name.
+
+    Without the pgbouncer binary the calling test is skipped saying how to install it
+    (failed with CI=true). On exit it waits for PgBouncer's server sessions to end: the
+    test database is dropped at the end of the session, which no connection may still use.
+    """
+    from django.db import connection
+
+    from tests.conftest import wait_for
+
+    binary = installed_binary()
+    settings = connection.settings_dict
+    name = settings["NAME"]
+    with PgBouncer(settings["HOST"], settings["PORT"], {name: name}, settings["USER"] or "postgres",
+                   settings["PASSWORD"] or "", binary=binary) as running:
+        running.name = name
+        assert running.setting("pool_mode") == "transaction"
+        yield running
+    wait_for(lambda: not sessions_from_others(), timeout=15, message="PgBouncer's sessions to end")
+
+
+def sessions_from_others():
+    """Server sessions on the test database other than this test's own."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                       " AND pid <> pg_backend_pid()")
+        return cursor.fetchone()[0]
+
+
+def direct_url():
+    """The test database on the server itself, bypassing PgBouncer: where LISTEN goes."""
+    from django.db import connection
+
+    settings = connection.settings_dict
+    password = f":{settings['PASSWORD']}" if settings["PASSWORD"] else ""
+    return (f"postgres://{settings['USER'] or 'postgres'}{password}@{settings['HOST'] or '127.0.0.1'}"
+            f":{settings['PORT'] or 5432}/{settings['NAME']}")
+
+
+def through(pgbouncer, *, listen="direct", prepared=None, **env):
+    """A worker's environment: DATABASES at PgBouncer; LISTEN on a direct connection or off.
+
+    Prepared statements stay on when this PgBouncer keeps them (1.21 or newer), unless
+    ``prepared`` says otherwise.
+    """
+    env["DURABLE_TEST_POSTGRES_URL"] = pgbouncer.url(pgbouncer.name)
+    if listen == "direct":
+        env["DURABLE_TEST_LISTEN_URL"] = direct_url()
+    else:
+        env["DURABLE_TEST_LISTEN"] = "0"
+    if prepared is None:
+        prepared = keeps_prepared_statements(pgbouncer.binary)
+    env["DURABLE_TEST_PREPARED_STATEMENTS"] = "1" if prepared else "0"
+    return env

@@ -243,8 +243,9 @@ def job_of(call):
 
 @pytest.mark.crash
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("route", ["direct", "pgbouncer"])
 def test_runs_in_flight_killed_at_random_lose_no_run_and_pay_again_only_for_calls_a_kill_hit(
-        workers, tmp_path):
+        workers, tmp_path, request, route):
     import collections
     import os
     import random
@@ -252,6 +253,14 @@ def test_runs_in_flight_killed_at_random_lose_no_run_and_pay_again_only_for_call
 
     from tests.drills.lab import children
 
+    # Behind PgBouncer (PostgreSQL only): every worker connection goes through it in
+    # transaction pooling, LISTEN to the server directly.
+    env, bouncer = {}, None
+    if route == "pgbouncer":
+        from tests.pgbouncer import through
+
+        bouncer = request.getfixturevalue("pgbouncer")
+        env = through(bouncer)
     # 80 in CI; DURABLE_INFLIGHT_DRILL_RUNS=1000 runs the same drill with a thousand in flight.
     runs, kills = int(os.environ.get("DURABLE_INFLIGHT_DRILL_RUNS", 80)), 3
     log = tmp_path / "tools.log"
@@ -261,7 +270,7 @@ def test_runs_in_flight_killed_at_random_lose_no_run_and_pay_again_only_for_call
             durable.submit("test_agent", f"k{n}", {"model_url": server.url, "log": str(log),
                                                    "message": f"Where is the order of k{n}"})
         proc = workers.start("--no-dispatcher", "--connections", "3", processes=2,
-                             DURABLE_TEST_THREADS=runs // 2, DURABLE_LEASE_SECONDS=2)
+                             DURABLE_TEST_THREADS=runs // 2, DURABLE_LEASE_SECONDS=2, **env)
         killed = 0
         while killed < kills:
             time.sleep(1.5)
@@ -274,6 +283,8 @@ def test_runs_in_flight_killed_at_random_lose_no_run_and_pay_again_only_for_call
         assert workers.terminate(proc) == 0
         calls = server.paid_calls()
     assert killed == kills
+    if bouncer is not None:  # the runs' claims and memos went through it
+        assert bouncer.transactions(bouncer.name) >= 3 * runs
     paid = collections.Counter(job_of(call) for call in calls)
     tools = collections.Counter(line.split()[0] for line in log.read_text().splitlines())
     reclaims = collections.Counter(JobEvent.objects.filter(kind=EventKind.RECLAIMED)

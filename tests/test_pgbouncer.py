@@ -29,7 +29,7 @@ from durable.models import EventKind, Job, JobEvent, Outbox, OutboxStatus, StepR
 from durable.testing import FakeModelServer, reply, tool_call
 
 from .conftest import ON_POSTGRES, ROOT, wait_for, worker_env
-from .pgbouncer import PgBouncer, installed_binary, keeps_prepared_statements, version
+from .pgbouncer import keeps_prepared_statements, through, version
 
 pytest_plugins = ["tests.test_actions_support"]
 pytestmark = [
@@ -40,53 +40,6 @@ pytestmark = [
 
 # A burst that hangs fails the test here instead of at the suite's timeout.
 BURST_SECONDS = 60
-
-
-@pytest.fixture
-def pgbouncer(django_db_setup):
-    """A PgBouncer in transaction pooling in front of the test database (same name).
-
-    Without the pgbouncer binary the test is skipped saying how to install it (failed with CI=true).
-    """
-    binary = installed_binary()
-    settings = connection.settings_dict
-    name = settings["NAME"]
-    with PgBouncer(settings["HOST"], settings["PORT"], {name: name}, settings["USER"] or "postgres",
-                   settings["PASSWORD"] or "", binary=binary) as running:
-        running.name = name
-        assert running.setting("pool_mode") == "transaction"
-        yield running
-    # Its server connections end a moment after it does; the test database is dropped at
-    # the end of the session, which no connection may still be using.
-    wait_for(lambda: not sessions_from_others(), timeout=15, message="PgBouncer's sessions to end")
-
-
-def sessions_from_others():
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-                       " AND pid <> pg_backend_pid()")
-        return cursor.fetchone()[0]
-
-
-def direct_url():
-    """The test database on the server itself, bypassing PgBouncer: where LISTEN goes."""
-    settings = connection.settings_dict
-    password = f":{settings['PASSWORD']}" if settings["PASSWORD"] else ""
-    return (f"postgres://{settings['USER'] or 'postgres'}{password}@{settings['HOST'] or '127.0.0.1'}"
-            f":{settings['PORT'] or 5432}/{settings['NAME']}")
-
-
-def through(pgbouncer, *, listen="direct", prepared=None, **env):
-    """A worker's environment: DATABASES at PgBouncer; LISTEN on a direct connection or off."""
-    env["DURABLE_TEST_POSTGRES_URL"] = pgbouncer.url(pgbouncer.name)
-    if listen == "direct":
-        env["DURABLE_TEST_LISTEN_URL"] = direct_url()
-    else:
-        env["DURABLE_TEST_LISTEN"] = "0"
-    if prepared is None:
-        prepared = keeps_prepared_statements(pgbouncer.binary)
-    env["DURABLE_TEST_PREPARED_STATEMENTS"] = "1" if prepared else "0"
-    return env
 
 
 def burst(workers, pgbouncer, *args, processes=2, **env):

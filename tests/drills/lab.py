@@ -108,7 +108,7 @@ class Lab:
     """Processes, jobs and the ground truth (kills, pauses, executions) of one drill."""
 
     def __init__(self, workdir, *, lease=DRILL_LEASE, step_timeout=DRILL_STEP_TIMEOUT, seed=0,
-                 threads=None, connections=None):
+                 threads=None, connections=None, env=None):
         self.workdir = Path(workdir)
         # Threads per worker process (runworkers --threads); None: the default setting.
         # A pair is (threads, connections): many runs in flight sharing few connections.
@@ -116,6 +116,8 @@ class Lab:
             threads, connections = threads
         self.threads = threads
         self.connections = connections
+        # What every process of this lab runs with besides (e.g. DATABASES behind PgBouncer).
+        self.extra_env = dict(env or {})
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.lease = lease
         self.step_timeout = step_timeout
@@ -164,6 +166,7 @@ class Lab:
                 "DURABLE_BACKOFF_BASE": 0.05, "DURABLE_BACKOFF_CAP": 0.2}
         if self.connections:
             base["DURABLE_TEST_CONNECTIONS"] = self.connections
+        base.update(self.extra_env)
         base.update(extra)
         return worker_env(**base)
 

@@ -2,13 +2,13 @@
 
 import pytest
 
-from .conftest import IN_FLIGHT, assert_targets
+from .conftest import IN_FLIGHT_AND_POOLED, assert_targets
 from .drills import JOB_POINTS, fault_point_once, wired_points
 
 pytestmark = [pytest.mark.crash, pytest.mark.django_db(transaction=True)]
 
 
-@pytest.mark.parametrize("lab", IN_FLIGHT, indirect=True)
+@pytest.mark.parametrize("lab", IN_FLIGHT_AND_POOLED, indirect=True)
 @pytest.mark.parametrize("point", JOB_POINTS)
 def test_a_worker_killed_at_this_point_loses_nothing_and_duplicates_only_the_step_it_hit(
     lab, size, point
