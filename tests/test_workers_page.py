@@ -119,3 +119,24 @@ def test_a_dispatcher_slot_says_which_action_it_sends_while_it_sends():
         release.set()
         senders.close()
     assert [s["action"] for s in senders.activity()] == [None, None] and len(done) == 1
+
+
+@pytest.mark.django_db
+def test_a_process_with_hundreds_of_runs_in_flight_lists_its_longest_and_counts_the_rest(client):
+    from durable.views.workers import BUSY_LISTED
+
+    slots = [{"slot": f"durable-slot{n}", "job": f"conversation-{n}", "step": "run", "for": float(n)}
+             for n in range(500)]
+    slots[3]["abandoned"] = True  # abandoned past its timeout: listed whatever its time
+    slots.append({"slot": "durable-slot500", "job": "", "step": "", "for": 0})
+    _row("alpha:300:worker:ff", "worker", threads=501, slots=slots)
+    client.force_login(make_user("viewer", "view_job"))
+    body = client.get(URL).content.decode()
+    assert "500 of 501 slots busy" in body  # the counts hold every slot
+    listed = body.count('class="durable-slot busy"')
+    assert listed == BUSY_LISTED
+    assert f"… and {500 - BUSY_LISTED} more busy slots, running for less than the ones above" in body
+    assert body.index('data-slot="durable-slot3"') < body.index('data-slot="durable-slot499"')
+    assert 'data-slot="durable-slot499"' in body and 'data-slot="durable-slot476"' in body
+    assert 'data-slot="durable-slot475"' not in body  # shorter than the 24 listed after the abandoned one
+    assert "<code>durable-slot500</code>" in body  # the one idle slot, named

@@ -18,6 +18,9 @@ from .base import context, job_url, require_view
 STALE_BEATS = 3
 # Idle slots named one by one up to this many; beyond it, counted.
 IDLE_NAMED = 4
+# Busy slots listed per process, abandoned ones first, then the longest running; a
+# process with hundreds of runs in flight shows these and counts the rest.
+BUSY_LISTED = 25
 
 
 def workers(request, admin_site):
@@ -77,8 +80,11 @@ def _process(row, now):
     else:
         state, badge = "running", "ok"
     idle = [s["slot"] for s in slots if not s["busy"]]
+    active = [s for s in slots if s["busy"] or s.get("abandoned")]
+    if len(active) > BUSY_LISTED:
+        active.sort(key=lambda s: (not s.get("abandoned"), -(s["running"] or datetime.timedelta())))
     return {"row": row, "silent": silent, "stale": stale, "state": state, "badge": badge,
             "uptime": now - row.started_at, "slots": slots,
-            "active": [s for s in slots if s["busy"] or s.get("abandoned")],
+            "active": active[:BUSY_LISTED], "unlisted": len(active[BUSY_LISTED:]),
             "idle": idle if len(idle) <= IDLE_NAMED else [], "idle_count": len(idle),
             "busy": len(slots) - len(idle)}
