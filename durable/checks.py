@@ -4,6 +4,7 @@ from django.core import checks
 from django.db import connections
 
 from .conf import durable_settings, shares_connections
+from .core import limits
 from .core.workflows import registry
 from .store import database
 
@@ -109,6 +110,16 @@ def check_connection_pool(app_configs, **kwargs):
                  " CONNECTIONS to THREADS + 2.",
             id="durable.E044",
         )]
+    return []
+
+
+@checks.register()
+def check_limits(app_configs, **kwargs):
+    """DURABLE['LIMITS'] that cannot be read: a run would fail at its first model call instead."""
+    try:
+        limits.parse(durable_settings.LIMITS)
+    except limits.LimitConfigError as exc:
+        return [checks.Error(f"{exc}.", hint="See 'Provider limits' in the README.", id="durable.E045")]
     return []
 
 

@@ -45,6 +45,11 @@ DEFAULTS = {
     # it counts as dead (tcp_user_timeout and TCP keepalives). None: libpq's default.
     "DB_CONNECT_TIMEOUT": 10,
     "DB_DEAD_AFTER": 20,
+    # Provider limits every worker obeys together (durable.core.limits): by name, the
+    # models they cover and the requests per minute, tokens per minute and calls at
+    # once the provider allows. A model call under a limit waits its turn throttled,
+    # on no thread and no connection; a 429's Retry-After pauses the limit for all.
+    "LIMITS": {},
     # Seconds a SIGTERMed worker gets to finish its current step before it is killed.
     "SHUTDOWN_GRACE": 30.0,
     # Default number of worker processes (None: the CPU count).

@@ -86,6 +86,15 @@ class RetryableError(DurableError):
         self.retry_after = retry_after
 
 
+class RateLimited(RetryableError):
+    """The provider refused the call for its rate limit (HTTP 429): nothing was charged.
+
+    Safe to retry after ``retry_after`` seconds. Under a declared limit
+    (``DURABLE["LIMITS"]``) the limit pauses for every worker until then, and the run
+    waits throttled instead of spending an attempt.
+    """
+
+
 class PermanentError(DurableError):
     """A deterministic failure (poison): retrying cannot help, the job goes to its failed state."""
 

@@ -26,7 +26,7 @@ from decimal import Decimal, InvalidOperation
 
 from ..conf import durable_settings
 from ..core.retry import parse_retry_after
-from ..exceptions import PermanentError, RetryableError
+from ..exceptions import PermanentError, RateLimited, RetryableError
 
 MILLION = Decimal(1_000_000)
 
@@ -134,12 +134,12 @@ class SDKAdapter:
     such as Ollama or vLLM asks for none; a hosted one answers 401, which is poison).
     """
 
-    sdk = ""
+    sdk = ""  # the provider, as DURABLE["LIMITS"] names it ("providers")
     client_class = ""
     api_key_env = ""
 
     def __init__(self, model, *, client=None, base_url=None, api_key=None, timeout=60.0,
-                 connect_timeout=5.0, prices=None, **defaults):
+                 connect_timeout=5.0, prices=None, limits=(), **defaults):
         try:
             self._sdk = importlib.import_module(self.sdk)
         except ImportError as exc:  # optional extra: say how to get it
@@ -147,6 +147,9 @@ class SDKAdapter:
                               f"pip install 'django-durable-workflows[{self.sdk}]'") from exc
         self.model = model
         self.prices = prices
+        # Limits of DURABLE["LIMITS"] this adapter's calls count against besides those whose
+        # models match: the limits of the API key it was given (one name or several).
+        self.limits = (limits,) if isinstance(limits, str) else tuple(limits)
         self.defaults = defaults
         self.timeout = self._sdk.Timeout(float(timeout), connect=float(connect_timeout))
         if client is None:
@@ -215,7 +218,9 @@ class OpenAIChat(SDKAdapter):
 
 def classify_status(status, retry_after_header, message):
     """An HTTP error from the provider as durable's retry rule: 429/5xx retried, other 4xx poison."""
-    if status == 429 or status >= 500:
+    if status == 429:
+        return RateLimited(f"HTTP {status}: {message}", retry_after=parse_retry_after(retry_after_header))
+    if status >= 500:
         return RetryableError(f"HTTP {status}: {message}", retry_after=parse_retry_after(retry_after_header))
     return PermanentError(f"HTTP {status}: {message}")
 

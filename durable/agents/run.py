@@ -20,10 +20,12 @@ from .. import faults
 from ..core.formats import money
 from ..core.identity import storable_json
 from ..core.outcomes import AskHuman, Done, Failed, HandedBack, Left, Lost, Parked
+from ..core.outcomes import Throttled as ThrottledOutcome
 from ..core.retry import scrub
 from ..core.workflows import NeedsHuman, Output, WaitingOn
 from ..exceptions import LeaseLost
 from ..models import EventKind, Job, JobEvent, MemoKind, StepResult
+from ..steps.limits import Throttled, paced
 from ..store import locking
 from . import tools as agent_actions
 from .base import RUNNING, Divergence, Draining, DuplicateKey, Suspended, ToolError, parsed
@@ -132,6 +134,8 @@ class AgentRun:
             return Lost()
         except Draining:
             return HandedBack(self.seq)
+        except Throttled as waiting:
+            return ThrottledOutcome(waiting.until, waiting.why, self.seq)
         except ModelReplyInvalid as exc:
             # Kept for the operator: last_error names what the model sent.
             raw = str(exc.raw or "")[:1500]
@@ -375,7 +379,10 @@ class AgentContext:
         def produce():
             run.check_budget()
             faults.point("agent_model_call")
-            reply = model.complete(messages, tools=specs or None, **params)
+            reply = paced(model, messages, specs or None, params,
+                          lambda: model.complete(messages, tools=specs or None, **params),
+                          job_id=run.claimed.id, lease_token=run.claimed.lease_token, key=key,
+                          release=run.seat.release)
             if not isinstance(reply, ModelReply):
                 raise ModelReplyInvalid(f"the model adapter returned {type(reply).__name__},"
                                         " not a ModelReply", raw=repr(reply)[:2000])

@@ -68,6 +68,15 @@ class HandedBack:
 
 
 @dataclass(frozen=True)
+class Throttled:
+    """A call waits its turn under a provider limit: the job is due again at ``until``."""
+
+    until: datetime.datetime
+    why: str
+    calls: int  # the calls recorded so far, kept as memos
+
+
+@dataclass(frozen=True)
 class Failed:
     """The run raised: the step's retry policy decides what happens."""
 

@@ -24,7 +24,7 @@ from .. import faults
 from ..actions import outbox
 from ..conf import durable_settings
 from ..core.identity import storable_json
-from ..core.outcomes import AskHuman, Done, Failed, HandedBack, Left, Lost, Parked, Seat
+from ..core.outcomes import AskHuman, Done, Failed, HandedBack, Left, Lost, Parked, Seat, Throttled
 from ..core.retry import backoff, classify, describe, scrub
 from ..core.states import RESUMING_KINDS, WOKEN, StateKind
 from ..core.workflows import Action, NeedsHuman, Wait, WaitingOn, registry
@@ -158,9 +158,10 @@ class Runner:
             step = workflow.steps_by_name[states.step]
             attempt = claimed.attempts + 1
             max_attempts = step.retry.resolved()[0]
-            # No previous owner: a draining worker handed the job back (locking.hand_back).
+            # No previous owner: the job was handed back between two calls (locking.hand_back),
+            # by a draining worker or for a call's turn under a provider limit.
             message = (f"lease of {claimed.previous_owner} expired; attempt {attempt}"
-                       if claimed.previous_owner else f"taken over after a drain; attempt {attempt}")
+                       if claimed.previous_owner else f"taken over after it was handed back; attempt {attempt}")
             if attempt > max_attempts:
                 error = f"Worker lost {claimed.attempts} times while running {step.name} (lease expired)"
                 self._fail(claimed, table, states, attempt - 1, error, kind=EventKind.FAILED)
@@ -282,18 +283,28 @@ class Runner:
             case HandedBack(calls):
                 self._hand_back(started, calls)
                 return None
+            case Throttled(until, why, calls):
+                self._hand_back(started, calls, until, why)
+                return None
             case Failed(error, seconds):
                 return self.fail_step(started, error, seconds)
         raise TypeError(f"a run returned {outcome!r}, which is not an outcome (durable.core.outcomes)")
 
-    def _hand_back(self, started, calls):
+    def _hand_back(self, started, calls, until=None, why=""):
+        """Stop between two calls, the job due again: now (the worker drains) or at ``until``
+        (a call waits its turn under a provider limit, throttled, on no thread)."""
         step = started.step.name
-        if locking.hand_back(started.claimed, actor=self.owner, step=step,
-                             message=f"the worker drains: handed back after {calls} recorded calls,"
-                                     " for any worker to go on from the next"):
-            logger.info("%s job=%s step=%s handed back (draining) after %d recorded calls",
-                        self.owner, started.claimed.id, step, calls)
-            self.finished(started, "handed back")
+        if until is None:
+            how, message = "handed back (draining)", (f"the worker drains: handed back after {calls} recorded"
+                                                       " calls, for any worker to go on from the next")
+        else:
+            how, message = (f"throttled until {until.isoformat()}: {why}",
+                            f"throttled until {until.isoformat(timespec='milliseconds')} after {calls}"
+                            f" recorded calls: {why}")
+        if locking.hand_back(started.claimed, actor=self.owner, step=step, message=message, due=until):
+            logger.info("%s job=%s step=%s %s after %d recorded calls", self.owner, started.claimed.id,
+                        step, how, calls)
+            self.finished(started, "handed back" if until is None else "throttled")
         else:
             self.lost(started)
 

@@ -27,12 +27,13 @@ from .jobs import (
     WaitKind,
     memo_label,
 )
+from .limits import Limit, Reservation, ReservationState
 from .schedules import ScheduleEvent, ScheduleEventKind, ScheduleState
 from .workers import ProcessRole, WorkerProcess
 
 __all__ = [
     "IN_DOUBT", "UNSETTLED", "Approval", "ApprovalQuerySet", "ApprovalStatus", "CostMark", "CostMinute",
-    "CostRollup", "EventKind", "Job", "JobEvent", "JobQuerySet", "MemoKind", "MoveMinute", "Outbox",
-    "OutboxQuerySet", "OutboxStatus", "Pause", "ProcessRole", "ScheduleEvent", "ScheduleEventKind",
-    "ScheduleState", "Signal", "StepResult", "Wait", "WaitKind", "WorkerProcess", "memo_label",
+    "CostRollup", "EventKind", "Job", "JobEvent", "JobQuerySet", "Limit", "MemoKind", "MoveMinute", "Outbox",
+    "OutboxQuerySet", "OutboxStatus", "Pause", "ProcessRole", "Reservation", "ReservationState", "ScheduleEvent",
+    "ScheduleEventKind", "ScheduleState", "Signal", "StepResult", "Wait", "WaitKind", "WorkerProcess", "memo_label",
 ]

@@ -84,13 +84,14 @@ def reclaim(claimed, attempt, *, actor, step, message):
     return True
 
 
-def hand_back(claimed, *, actor, step, message):
-    """Give a job back mid-step, due now, with its event: a draining worker stops between calls.
+def hand_back(claimed, *, actor, step, message, due=None):
+    """Give a job back mid-step, with its event: due now (a draining worker stops between
+    calls) or at ``due`` (a call waits its turn under a provider limit, throttled).
 
     The job keeps its state (the step is still to finish) and its memos; the next claim
-    takes it over at once instead of after the lease. Fenced by the claim's token.
+    takes it over then instead of after the lease. Fenced by the claim's token.
     """
-    move = moves.hand_back(claimed.attempts)
+    move = moves.hand_back(claimed.attempts, due)
     with transaction.atomic():
         if not Job.objects.filter(pk=claimed.id, lease_token=claimed.lease_token,
                                   state=claimed.state).update(**move.columns()):

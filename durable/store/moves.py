@@ -98,10 +98,11 @@ def keep_lease(*, attempts=KEEP, error=KEEP):
     return Move("keep lease", ends_lease=False, attempts=attempts, error=error)
 
 
-def hand_back(attempts):
-    """A draining worker stops a step between two calls: due now for any worker, the lease
-    ended, and ``attempts`` one less, so the next claim counts the same attempt again."""
-    return Move("hand back", due=Now(), attempts=max(0, int(attempts) - 1))
+def hand_back(attempts, due=None):
+    """A run stops between two calls: due now (a draining worker) or at ``due`` (a call waits
+    its turn under a provider limit), the lease ended, and ``attempts`` one less, so the
+    next claim counts the same attempt again."""
+    return Move("hand back", due=Now() if due is None else due, attempts=max(0, int(attempts) - 1))
 
 
 __all__ = ["KEEP", "LEASE_COLUMNS", "Move", "hand_back", "hand_over", "keep_lease", "retry_at", "run_again",

@@ -39,12 +39,12 @@ import urllib.request
 from pathlib import Path
 
 from .blackhole import Blackhole
-from .fake_openai import FakeModelServer, reply, tool_call
+from .fake_openai import FakeModelServer, ProviderLimits, reply, tool_call
 from .models import ScriptedModel
 from .receiver import MODES, Receiver, read_store
 
-__all__ = ["MODES", "Blackhole", "FakeModelServer", "Receiver", "ReceiverProcess", "ScriptedModel", "read_store",
-           "reply", "tool_call"]
+__all__ = ["MODES", "Blackhole", "FakeModelServer", "ProviderLimits", "Receiver", "ReceiverProcess", "ScriptedModel",
+           "read_store", "reply", "tool_call"]
 
 
 class ReceiverProcess:

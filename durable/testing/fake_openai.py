@@ -34,11 +34,18 @@ before it answers: a number of seconds, or a ``(low, high)`` pair drawn uniforml
 request. Each request waits in its own handler thread, and the listen backlog is deep,
 so thousands of slow calls can be in flight at once (a benchmark's fleet of agents).
 
+``limits=ProviderLimits(...)`` enforces a provider's per-key rate limits the way OpenAI
+does (requests and tokens per minute in a sliding window, calls in flight; a request
+over them gets the provider's 429 and is not charged): see :mod:`durable.testing.fake_limits`.
+:meth:`FakeModelServer.window_peaks` reports the most requests and tokens one key ever
+had inside a window: the ground truth a fleet's rate-limit drill checks.
+
 Standard library only, like :mod:`durable.testing`'s receiver: it must run wherever
 the tests run and must not share a bug with the client it checks.
 """
 
 import json
+import math
 import random
 import sys
 import threading
@@ -46,7 +53,9 @@ import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-__all__ = ["FAULTS", "FakeModelServer", "reply", "tool_call"]
+from .fake_limits import ProviderLimits, Window, api_key, reserved_tokens
+
+__all__ = ["FAULTS", "FakeModelServer", "ProviderLimits", "reply", "tool_call"]
 
 FAULTS = frozenset(
     {
@@ -102,6 +111,14 @@ class Call:
     at: float = field(default_factory=time.time)
     headers: dict = field(default_factory=dict)  # as sent, lower-cased names (the API key is one)
     answered: float | None = None  # time.time() when the reply was sent (None: not answered)
+    # With limits only: the API key; the limit a 429 was for ("requests", "tokens",
+    # "concurrent"; None for a queued fault); for a request the limits accepted, the
+    # time.monotonic() it entered its key's window and the tokens it is charged
+    # (reserved on arrival, settled to the reply's usage once answered).
+    key: str | None = None
+    limit: str | None = None
+    window_at: float | None = None
+    tokens: int = 0
 
 
 def latency_bounds(latency):
@@ -154,7 +171,8 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._error(404, f"no such path: {self.path}")
 
-    def do_POST(self):
+    def _read_request(self):
+        """``(wire, body)`` of a request the server can answer, or None once it refused it."""
         owner = self.server.owner
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length) if length else b""
@@ -165,7 +183,7 @@ class _Handler(BaseHTTPRequestHandler):
             wire = anthropic_message
         else:
             self._error(404, f"no such path: {self.path}")
-            return
+            return None
         try:
             body = json.loads(raw or b"null")
         except ValueError:
@@ -173,13 +191,26 @@ class _Handler(BaseHTTPRequestHandler):
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
             owner._record({"raw": raw.decode(errors="replace")}, 0, "invalid", self.headers)
             self._error(400, "the body must be a JSON object with a 'messages' list")
-            return
+            return None
         if body.get("stream"):
             owner._record(body, turn_of(body), "invalid", self.headers)
             self._error(400, "streaming is not supported by the fake server")
+            return None
+        return wire, body
+
+    def do_POST(self):
+        owner = self.server.owner
+        request = self._read_request()
+        if request is None:
             return
+        wire, body = request
         fault = owner._next_fault()
         turn = turn_of(body)
+        # A queued fault takes precedence over the limits: it is answered as it always
+        # was, neither refused by the limits nor counted in them.
+        if fault is None and owner.limits is not None:
+            self._answer_within_limits(body, turn, wire)
+            return
         call = owner._record(body, turn, fault.mode if fault else "ok", self.headers)
         if fault and fault.mode == "rate_limited":
             self._error(429, "rate limited", "rate_limit_error", [("Retry-After", f"{fault.retry_after:g}")])
@@ -217,6 +248,55 @@ class _Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):  # the caller gave up (timeout, kill)
             pass
 
+    def _answer_within_limits(self, body, turn, wire):
+        owner = self.server.owner
+        try:
+            # The reply is chosen on arrival, once: its usage is what the request is
+            # charged, and a callable script must not be asked twice for one request.
+            scripted = owner._scripted(body, turn)
+        except Exception as exc:  # a broken script is the test's bug: say so in the reply
+            owner._record(body, turn, "ok", self.headers)
+            self._error(500, f"script failed: {type(exc).__name__}: {exc}", "server_error")
+            return
+        call, refusal, headers = owner._admit(body, turn, self.headers, reserved_tokens(body, scripted))
+        if refusal is not None:
+            self._refuse(refusal, wire is anthropic_message, headers)
+            return
+        settled = None
+        try:
+            owner._wait_for_release(body)
+            try:
+                answer = wire(scripted, body, turn, default_model=owner.model)
+            except Exception as exc:
+                self._error(500, f"script failed: {type(exc).__name__}: {exc}", "server_error")
+                return
+            owner._think()
+            # Settled before the reply leaves: a caller that sends its next request the
+            # moment it reads this one must find the window as the provider would.
+            prompt, completion = scripted.get("usage") or (0, 0)
+            settled = prompt + completion
+            headers = owner._settle(call, settled)
+            call.answered = time.time()
+            self._send(200, answer, headers)
+        except (BrokenPipeError, ConnectionResetError):  # the caller gave up (timeout, kill)
+            pass
+        finally:
+            if settled is None:  # not answered: it leaves the flight, keeping its reservation
+                owner._settle(call, None)
+
+    def _refuse(self, refusal, anthropic, headers):
+        if refusal.wait is not None:
+            # Whole seconds in Retry-After, as providers send it (a client that sleeps
+            # that long is never early); the exact milliseconds beside it, as OpenAI does.
+            headers = [("Retry-After", str(max(1, math.ceil(refusal.wait - 1e-9)))),
+                       ("retry-after-ms", str(max(1, math.ceil(refusal.wait * 1000 - 1e-6)))), *headers]
+        if anthropic:
+            body = {"type": "error", "error": {"type": "rate_limit_error", "message": refusal.message}}
+        else:
+            kind = "tokens" if refusal.limit == "tokens" else "requests"
+            body = {"error": {"message": refusal.message, "type": kind, "param": None, "code": "rate_limit_exceeded"}}
+        self._send(429, body, headers)
+
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
@@ -240,16 +320,22 @@ class FakeModelServer:
     free one; ``model`` is the name a reply carries when neither the script nor the request
     names one; ``latency`` is how long each answered completion takes, in seconds, or a
     ``(low, high)`` pair for a uniform spread (faults that answer at once do not wait).
+    ``limits`` (a :class:`ProviderLimits`) refuses, per API key, the requests a provider
+    would refuse with a 429 (see the module's docstring).
     ``start()`` serves from threads of this process (``stop()``, or a ``with`` block);
     ``url`` is then the base URL an OpenAI client is given. Workers are other
     processes: to serve them, run the server in a process of its own that outlives them
     (a script that starts it and waits), not inside ``manage.py shell``.
     """
 
-    def __init__(self, script=(), *, port=0, model=DEFAULT_MODEL, latency=0):
+    def __init__(self, script=(), *, port=0, model=DEFAULT_MODEL, latency=0, limits=None):
+        if limits is not None and not isinstance(limits, ProviderLimits):
+            raise TypeError(f"limits must be a ProviderLimits or None, not {limits!r}")
         self.script = script if callable(script) else list(script)
         self.model = model
         self.latency = latency_bounds(latency)
+        self.limits = limits
+        self._windows = {}  # API key -> Window
         self.calls = []
         self._faults = []
         self._lock = threading.Lock()
@@ -333,7 +419,95 @@ class FakeModelServer:
         with self._lock:
             return [call for call in self.calls if call.outcome in ("ok", "slow", "drop")]
 
+    def rate_limited_calls(self):
+        """The requests refused with a 429: by the limits (``call.limit`` says which) or a queued fault."""
+        with self._lock:
+            return [call for call in self.calls if call.outcome == "rate_limited"]
+
+    def usage(self, key=None):
+        """What the limits accepted, per API key: ``{key: {"requests": n, "tokens": settled}}``.
+
+        With ``key``, that key's ``{"requests", "tokens"}`` alone. Requests without a key
+        are under :data:`ANONYMOUS`. A request still in flight counts its reservation.
+        """
+        totals = {}
+        with self._lock:
+            for call in self.calls:
+                if call.window_at is not None:
+                    total = totals.setdefault(call.key, {"requests": 0, "tokens": 0})
+                    total["requests"] += 1
+                    total["tokens"] += call.tokens
+        if key is not None:
+            return totals.get(key, {"requests": 0, "tokens": 0})
+        return totals
+
+    def window_peaks(self, key=None, window=None):
+        """The most requests and the most tokens one key ever had inside one window.
+
+        ``{"requests": n, "tokens": t}`` for ``key``, or the highest of any key (limits
+        are per key, so each key's windows are counted apart). Computed afresh from the
+        accepted requests' arrival times and settled tokens, not from the counters that
+        enforced the limits: the ground truth a drill reports. ``window`` defaults to the
+        limits' own. Tokens can pass the limit only if a script answers with more
+        completion tokens than the request's ``max_tokens``, which no real model does.
+        """
+        window = window if window is not None else self.limits.window if self.limits else 60.0
+        by_key = {}
+        with self._lock:
+            for call in self.calls:
+                if call.window_at is not None and (key is None or call.key == key):
+                    by_key.setdefault(call.key, []).append(call)
+        peaks = {"requests": 0, "tokens": 0}
+        for calls in by_key.values():
+            # Arrival order under the lock is window order already; sorting is for safety.
+            calls.sort(key=lambda call: call.window_at)
+            first, tokens = 0, 0
+            # The busiest windows end at an arrival: (t - window, t] for each call's t.
+            for last, call in enumerate(calls):
+                tokens += call.tokens
+                while calls[first].window_at <= call.window_at - window:
+                    tokens -= calls[first].tokens
+                    first += 1
+                peaks["requests"] = max(peaks["requests"], last - first + 1)
+                peaks["tokens"] = max(peaks["tokens"], tokens)
+        return peaks
+
     # Handler side.
+
+    def _admit(self, body, turn, headers, need):
+        """Record a request and let it into its key's window, or say why not.
+
+        Returns ``(call, refusal, headers)``: the refusal is None for an admitted call;
+        the headers are the ``x-ratelimit-*`` ones after the decision.
+        """
+        limits, key = self.limits, api_key(headers)
+        with self._arrived:
+            # Decided and recorded under one lock: two requests arriving together
+            # must not both take the window's last place.
+            now = time.monotonic()
+            window = self._windows.get(key)
+            if window is None:
+                window = self._windows[key] = Window()
+            window.expire(now, limits.window)
+            refusal = window.refusal(limits, need, now, self.latency[0])
+            call = Call(body, turn, "ok" if refusal is None else "rate_limited",
+                        headers={name.lower(): value for name, value in headers.items()}, key=key)
+            if refusal is None:
+                call.window_at, call.tokens = now, need
+                window.admit(call)
+            else:
+                call.limit = refusal.limit
+            self.calls.append(call)
+            self._arrived.notify_all()
+            return call, refusal, window.headers(limits, now)
+
+    def _settle(self, call, tokens):
+        """``call`` leaves the flight, charged ``tokens`` if given; returns the headers for its reply."""
+        with self._lock:
+            now = time.monotonic()
+            window = self._windows[call.key]
+            window.settle(call, tokens, now, self.limits.window)
+            return window.headers(self.limits, now)
 
     def _record(self, body, turn, outcome, headers):
         # An append under the lock, nothing that grows with the log: a benchmark sends

@@ -1,0 +1,196 @@
+"""Provider limits as pure rules: what a limit declares, which calls it covers, when a call may go.
+
+A provider limits requests per minute, tokens per minute and calls at once, per API key
+and model. ``DURABLE["LIMITS"]`` declares them by name::
+
+    "LIMITS": {
+        "openai": {"models": ["gpt-4o*"], "requests_per_minute": 500,
+                   "tokens_per_minute": 200_000, "concurrent": 50},
+    }
+
+Every worker on every host paces its calls by the same rows in the database
+(``durable.store.limits``); this module only does the arithmetic. The pacing is a
+virtual schedule per limit (the generic cell rate algorithm): each call books the next
+free moment of the limit's requests and of its tokens, so calls go out evenly spaced at
+the declared rate, in the order they asked, and a waiting run knows exactly when its
+turn is (it waits throttled, on no thread, until then).
+"""
+
+import fnmatch
+import json
+import math
+from dataclasses import dataclass
+
+# Keys a limit may declare, and what each is.
+FIELDS = {
+    "models": "model names the limit covers (patterns: 'gpt-4o*'); default every model",
+    "providers": "adapter providers it covers ('openai', 'anthropic'); default every provider",
+    "requests_per_minute": "requests the provider allows per minute",
+    "tokens_per_minute": "input and output tokens the provider allows per minute",
+    "concurrent": "calls in flight at once",
+    "headroom": "the share of each rate kept unused, for the provider's clock and the network (0.03)",
+    "default_max_tokens": "output tokens a call without max_tokens is assumed to use (1024)",
+}
+RATES = ("requests_per_minute", "tokens_per_minute")
+DEFAULT_HEADROOM = 0.03
+DEFAULT_MAX_TOKENS = 1024
+# Characters per token when a request's tokens are estimated before the call: a
+# tokenizer averages about four per token on English text; three errs on the side of
+# reserving too many, which the settlement from the reply's usage gives back.
+CHARS_PER_TOKEN = 3
+
+
+class LimitConfigError(ValueError):
+    """``DURABLE["LIMITS"]`` is not what it must be; the message says which limit and why."""
+
+
+@dataclass(frozen=True)
+class LimitSpec:
+    """One declared limit."""
+
+    name: str
+    models: tuple = ("*",)
+    providers: tuple = ()
+    requests_per_minute: float | None = None
+    tokens_per_minute: float | None = None
+    concurrent: int | None = None
+    headroom: float = DEFAULT_HEADROOM
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
+
+    def covers(self, provider, model):
+        if self.providers and provider not in self.providers:
+            return False
+        return any(fnmatch.fnmatchcase(model or "", pattern) for pattern in self.models)
+
+    def seconds_per_request(self):
+        """The spacing between two requests at the paced rate (None: no request limit)."""
+        return _spacing(self.requests_per_minute, self.headroom)
+
+    def seconds_per_token(self):
+        return _spacing(self.tokens_per_minute, self.headroom)
+
+    def describe(self):
+        parts = []
+        if self.requests_per_minute:
+            parts.append(f"{self.requests_per_minute:g} requests/min")
+        if self.tokens_per_minute:
+            parts.append(f"{self.tokens_per_minute:,.0f} tokens/min")
+        if self.concurrent:
+            parts.append(f"{self.concurrent} at once")
+        return ", ".join(parts)
+
+
+def _spacing(per_minute, headroom):
+    if not per_minute:
+        return None
+    return 60.0 / (float(per_minute) * (1.0 - headroom))
+
+
+def _number(name, key, value, *, whole=False):
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise LimitConfigError(f"LIMITS[{name!r}][{key!r}] must be a number above 0, not {value!r}")
+    if whole and value != int(value):
+        raise LimitConfigError(f"LIMITS[{name!r}][{key!r}] must be a whole number, not {value!r}")
+    return int(value) if whole else value
+
+
+def _patterns(name, key, value):
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list | tuple) or not value or not all(isinstance(v, str) and v for v in value):
+        raise LimitConfigError(f"LIMITS[{name!r}][{key!r}] must be a non-empty list of names or"
+                               f" patterns, not {value!r}")
+    return tuple(value)
+
+
+def parse(setting):
+    """The declared limits as ``LimitSpec``s, or ``LimitConfigError`` naming what is wrong."""
+    if setting in (None, {}):
+        return ()
+    if not isinstance(setting, dict):
+        raise LimitConfigError(f"LIMITS must be a dict of limits by name, not {type(setting).__name__}")
+    return tuple(_spec(name, declared) for name, declared in setting.items())
+
+
+def _spec(name, declared):
+    if not isinstance(name, str) or not name or len(name) > 100:
+        raise LimitConfigError(f"a limit's name must be a string of 1 to 100 characters, not {name!r}")
+    if not isinstance(declared, dict):
+        raise LimitConfigError(f"LIMITS[{name!r}] must be a dict, not {type(declared).__name__}")
+    unknown = sorted(set(declared) - set(FIELDS))
+    if unknown:
+        raise LimitConfigError(f"LIMITS[{name!r}] has unknown keys {unknown}; a limit declares "
+                               f"{', '.join(FIELDS)}")
+    if not any(declared.get(key) is not None for key in (*RATES, "concurrent")):
+        raise LimitConfigError(f"LIMITS[{name!r}] limits nothing: declare requests_per_minute,"
+                               " tokens_per_minute or concurrent")
+    fields = {"name": name}
+    for key in RATES:
+        if declared.get(key) is not None:
+            fields[key] = _number(name, key, declared[key])
+    for key in ("concurrent", "default_max_tokens"):
+        if declared.get(key) is not None:
+            fields[key] = _number(name, key, declared[key], whole=True)
+    if declared.get("headroom") is not None:
+        headroom = declared["headroom"]
+        if isinstance(headroom, bool) or not isinstance(headroom, int | float) or not 0 <= headroom < 0.5:
+            raise LimitConfigError(f"LIMITS[{name!r}]['headroom'] must be a share from 0 to below 0.5,"
+                                   f" not {headroom!r}")
+        fields["headroom"] = float(headroom)
+    for key in ("models", "providers"):
+        if declared.get(key) is not None:
+            fields[key] = _patterns(name, key, declared[key])
+    return LimitSpec(**fields)
+
+
+def estimate_tokens(messages, tools=None, max_tokens=None, default_max_tokens=DEFAULT_MAX_TOKENS):
+    """Tokens a call may use at most, before it is made: its request's text, and its output cap."""
+    text = json.dumps([messages, tools or []], default=str, separators=(",", ":"))
+    out = max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else default_max_tokens
+    return math.ceil(len(text) / CHARS_PER_TOKEN) + int(out)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A limit's virtual schedule: the next free moment of its requests and of its tokens.
+
+    Moments are seconds on the database clock (an epoch); ``None`` is "free now".
+    """
+
+    requests_at: float | None = None
+    tokens_at: float | None = None
+    paused_until: float | None = None
+
+
+def book(spec, schedule, now, tokens):
+    """When a call of ``tokens`` may start under ``spec``, and the schedule after booking it.
+
+    Each rate is a queue of moments: a request takes ``seconds_per_request`` of the
+    limit's time and a token ``seconds_per_token``; a call starts when both its request
+    and its tokens are free, and not before a pause (a 429's Retry-After) ends. Booked
+    in order, calls go out evenly spaced, never faster than the paced rate, so no window
+    of the provider's holds more than it allows (less the headroom).
+    """
+    start = now
+    if schedule.paused_until is not None:
+        start = max(start, schedule.paused_until)
+    per_request, per_token = spec.seconds_per_request(), spec.seconds_per_token()
+    if per_request is not None and schedule.requests_at is not None:
+        start = max(start, schedule.requests_at)
+    if per_token is not None and schedule.tokens_at is not None:
+        start = max(start, schedule.tokens_at)
+    requests_at = start + per_request if per_request is not None else None
+    tokens_at = start + per_token * tokens if per_token is not None else None
+    return start, Schedule(requests_at, tokens_at, schedule.paused_until)
+
+
+def give_back(spec, tokens_at, reserved, used):
+    """The token schedule once a call used ``used`` of the ``reserved`` tokens it booked.
+
+    Tokens booked and not used come back to the calls booked after (the schedule moves
+    earlier); tokens used beyond the estimate push it later.
+    """
+    per_token = spec.seconds_per_token()
+    if per_token is None or tokens_at is None:
+        return tokens_at
+    return tokens_at - per_token * (int(reserved) - int(used))

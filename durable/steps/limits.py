@@ -1,0 +1,91 @@
+"""A model call under the provider's limits: it waits its turn, then goes, then settles.
+
+``paced(...)`` wraps one call. With no limit covering the model it only calls. Under
+limits (``DURABLE["LIMITS"]``) it reserves the call's share in the database first
+(``durable.store.limits``): a call whose turn is now goes at once; one whose turn is a
+moment away waits for it in its thread, holding no connection; one that would wait
+longer raises :class:`Throttled`, and the run parks until its turn, holding no thread
+either (the engine makes it due then; its memos keep what it did). The reply's usage
+settles the reservation; a 429 pauses the limit for every worker until its Retry-After
+and the run waits throttled again, without spending an attempt.
+"""
+
+import logging
+import time
+
+from ..conf import durable_settings
+from ..core import limits as rules
+from ..exceptions import RateLimited
+from ..store import limits as store
+
+logger = logging.getLogger("durable.limits")
+
+# A call whose turn is at most this far away waits for it in its thread: parking and
+# claiming the job again would cost more than the wait.
+SHORT_WAIT = 1.0
+# A 429 without a Retry-After pauses its limit this long.
+DEFAULT_PAUSE = 1.0
+
+
+class Throttled(Exception):  # noqa: N818 - a signal, not an error
+    """The call waits its turn under a limit: the run parks until ``until``, on no thread."""
+
+    def __init__(self, until, why):
+        super().__init__(why)
+        self.until = until
+        self.why = why
+
+
+def declared():
+    """The limits ``DURABLE["LIMITS"]`` declares (the system check has said what is wrong)."""
+    return rules.parse(durable_settings.LIMITS)
+
+
+def covering(provider, model, names=()):
+    """The declared limits a call of ``model`` from ``provider`` counts against."""
+    specs = declared()
+    unknown = set(names) - {spec.name for spec in specs}
+    if unknown:
+        raise rules.LimitConfigError(f"the model adapter names limits {sorted(unknown)}, which"
+                                     " DURABLE['LIMITS'] does not declare")
+    return tuple(spec for spec in specs if spec.name in names or spec.covers(provider, model))
+
+
+def paced(adapter, messages, tools, params, call, *, job_id, lease_token, key, release=None,
+          priority=0):
+    """``call()`` once the limits covering ``adapter``'s model allow it; its reply settles them."""
+    provider = getattr(adapter, "provider", None) or getattr(adapter, "sdk", "")
+    model = str(getattr(adapter, "model", "") or "")
+    specs = covering(provider, model, getattr(adapter, "limits", ()))
+    if not specs:
+        return call()
+    out = params.get("max_tokens") or params.get("max_completion_tokens") \
+        or getattr(adapter, "defaults", {}).get("max_tokens")
+    tokens = rules.estimate_tokens(messages, tools, out, max(spec.default_max_tokens for spec in specs))
+    decision = store.reserve(specs, job_id, lease_token, key, tokens, priority)
+    if not decision.go:
+        wait = (decision.at - decision.now).total_seconds()
+        if decision.queued or wait > SHORT_WAIT:
+            raise Throttled(decision.at, decision.why)
+        if release is not None:
+            release()
+        time.sleep(max(0.0, wait))
+        store.start(decision.ids, lease_token)
+    if release is not None:
+        release()  # the call waits on the provider: on no connection
+    try:
+        reply = call()
+    except RateLimited as exc:
+        pause = exc.retry_after if exc.retry_after is not None else DEFAULT_PAUSE
+        store.refuse(decision.ids, pause, str(exc), specs)
+        names = ", ".join(spec.name for spec in specs)
+        logger.warning("job=%s key=%s: the provider refused the call (429); limit %s paused for %.1fs",
+                       job_id, key, names, pause)
+        raise Throttled(store.now_plus_seconds(pause),
+                        f"limit {names}: paused {pause:g} s by the provider's 429") from exc
+    except BaseException:
+        store.release(decision.ids, specs)
+        raise
+    used = int(getattr(reply, "input_tokens", 0) or 0) + int(getattr(reply, "output_tokens", 0) or 0)
+    store.settle(decision.ids, used, specs)
+    return reply

@@ -1,0 +1,223 @@
+"""Provider limits: declared in settings, paced in the database, obeyed by every run.
+
+The rules (``durable.core.limits``): what a limit declares and the errors a bad one gets,
+the virtual schedule that spaces calls. The rows (``durable.store.limits``): booking
+moments in order, concurrent slots that a dead lease gives back, a 429 that pauses a
+limit. Runs (an agent against the fake model server, in this process): a call whose
+turn is later parks the job throttled, spending no attempt, and finishes at its turn.
+"""
+
+import datetime
+import time
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import SystemCheckError
+from django.test import override_settings
+
+import durable
+from durable.core import limits as rules
+from durable.models import EventKind, Job, JobEvent, Limit, Reservation, ReservationState
+from durable.store import limits as store
+from durable.store import locking
+from durable.testing import FakeModelServer, reply
+
+LIMIT = {"models": ["fake-model"], "requests_per_minute": 60, "headroom": 0}
+
+
+# The rules -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("setting, message", [
+    ([1], "LIMITS must be a dict of limits by name, not list"),
+    ({"a": {}}, "LIMITS['a'] limits nothing: declare requests_per_minute, tokens_per_minute or concurrent"),
+    ({"a": {"requests_per_minute": 0}}, "LIMITS['a']['requests_per_minute'] must be a number above 0, not 0"),
+    ({"a": {"tokens_per_minute": "lots"}}, "must be a number above 0, not 'lots'"),
+    ({"a": {"concurrent": 2.5}}, "LIMITS['a']['concurrent'] must be a whole number, not 2.5"),
+    ({"a": {"concurrent": True}}, "must be a number above 0, not True"),
+    ({"a": {"concurrent": 2, "headroom": 0.7}}, "headroom'] must be a share from 0 to below 0.5"),
+    ({"a": {"concurrent": 2, "models": []}}, "LIMITS['a']['models'] must be a non-empty list"),
+    ({"a": {"concurrent": 2, "rpm": 5}}, "LIMITS['a'] has unknown keys ['rpm']"),
+    ({"": {"concurrent": 2}}, "a limit's name must be a string of 1 to 100 characters"),
+])
+def test_a_limit_declared_wrong_is_refused_with_what_is_wrong(setting, message):
+    with pytest.raises(rules.LimitConfigError) as refused:
+        rules.parse(setting)
+    assert message in str(refused.value)
+
+
+def test_the_system_check_names_a_limit_declared_wrong():
+    with override_settings(DURABLE={"LIMITS": {"openai": {"requests_per_minute": -5}}}):
+        with pytest.raises(SystemCheckError) as refused:
+            call_command("check")
+    assert "durable.E045" in str(refused.value)
+    assert "LIMITS['openai']['requests_per_minute'] must be a number above 0, not -5" in str(refused.value)
+
+
+def test_a_limit_covers_the_models_and_providers_it_names():
+    [spec] = rules.parse({"gpt": {"models": ["gpt-4o*"], "providers": ["openai"], "concurrent": 3}})
+    assert spec.covers("openai", "gpt-4o-mini")
+    assert not spec.covers("anthropic", "gpt-4o-mini")
+    assert not spec.covers("openai", "o3")
+
+
+def test_calls_booked_in_order_are_spaced_by_the_rate_and_by_their_tokens():
+    [spec] = rules.parse({"a": {"requests_per_minute": 120, "tokens_per_minute": 6000, "headroom": 0}})
+    schedule, starts = rules.Schedule(), []
+    for tokens in (100, 100, 1000, 10):
+        start, schedule = rules.book(spec, schedule, 1000.0, tokens)
+        starts.append(start)
+    # 0.5 s per request; 0.01 s per token: the 1,000-token call holds the tokens for 10 s.
+    assert starts == [1000.0, 1001.0, 1002.0, 1012.0]
+    # Tokens booked and not used come back to the calls after.
+    assert rules.give_back(spec, schedule.tokens_at, 10, 4) == pytest.approx(schedule.tokens_at - 0.06)
+
+
+def test_a_pause_holds_every_call_back_until_it_ends():
+    [spec] = rules.parse({"a": {"requests_per_minute": 6000}})
+    start, _ = rules.book(spec, rules.Schedule(paused_until=1030.0), 1000.0, 5)
+    assert start == 1030.0
+
+
+def test_a_call_s_tokens_are_estimated_from_its_text_and_its_output_cap():
+    messages = [{"role": "user", "content": "x" * 300}]
+    assert rules.estimate_tokens(messages, None, 50) - 50 >= 100  # at least a token per 3 characters
+    assert rules.estimate_tokens(messages, None, None, 700) == rules.estimate_tokens(messages, None, 700)
+
+
+# The rows ---------------------------------------------------------------------------------------
+
+
+def _job(key):
+    durable.submit("recorded", key, {})
+    claimed = locking.claim_job("w", 60)
+    while claimed is not None and claimed.id != key:
+        claimed = locking.claim_job("w", 60)
+    return claimed
+
+
+@pytest.mark.django_db(transaction=True)
+def test_calls_on_one_limit_get_moments_in_the_order_they_asked_and_a_run_finds_its_own_again():
+    specs = rules.parse({"a": LIMIT})
+    jobs = [_job(f"j{n}") for n in range(3)]
+    decisions = [store.reserve(specs, job.id, job.lease_token, "t1/model", 50) for job in jobs]
+    assert decisions[0].go
+    assert [d.go for d in decisions[1:]] == [False, False]
+    gaps = [(d.at - decisions[0].at).total_seconds() for d in decisions]
+    assert gaps == pytest.approx([0.0, 1.0, 2.0], abs=0.05)
+    assert "limit a: its turn at" in decisions[2].why
+    # The third run comes back for its call: it finds the moment it booked, not a new one.
+    again = store.reserve(specs, jobs[2].id, jobs[2].lease_token, "t1/model", 50)
+    assert again.at == decisions[2].at and again.ids == decisions[2].ids
+    assert Reservation.objects.filter(state=ReservationState.BOOKED).count() == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_booked_moment_that_passed_unused_is_given_back_and_a_new_one_booked():
+    specs = rules.parse({"a": LIMIT})
+    first, second = _job("j1"), _job("j2")
+    store.reserve(specs, first.id, first.lease_token, "k", 10)
+    late = store.reserve(specs, second.id, second.lease_token, "k", 10)
+    Reservation.objects.filter(pk__in=late.ids).update(
+        starts_at=late.at - datetime.timedelta(seconds=store.STALE_SECONDS + 5))
+    again = store.reserve(specs, second.id, second.lease_token, "k", 10)
+    assert again.ids != late.ids
+    assert Reservation.objects.get(pk=late.ids[0]).state == ReservationState.RELEASED
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_concurrent_slot_is_held_while_the_lease_is_and_given_back_when_it_passes():
+    specs = rules.parse({"a": {"concurrent": 1}})
+    first, second = _job("j1"), _job("j2")
+    assert store.reserve(specs, first.id, first.lease_token, "k", 10).go
+    waiting = store.reserve(specs, second.id, second.lease_token, "k", 10)
+    assert (waiting.go, waiting.queued) == (False, True)
+    assert "all 1 calls at once are in flight" in waiting.why
+    # The first run dies mid-call: once its lease has passed, its slot is free again.
+    Job.objects.filter(pk=first.id).update(lease_until=locking.now_plus(-1))
+    assert store.reserve(specs, second.id, second.lease_token, "k", 10).go
+    assert Reservation.objects.get(job_id=first.id).state == ReservationState.RELEASED
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_settled_call_wakes_the_run_that_queued_longest_for_its_slot():
+    specs = rules.parse({"a": {"concurrent": 1}})
+    first, second, third = _job("j1"), _job("j2"), _job("j3")
+    calling = store.reserve(specs, first.id, first.lease_token, "k", 10)
+    for job in (second, third):
+        store.reserve(specs, job.id, job.lease_token, "k", 10)
+        # Throttled, the run gives its job back, due when it looks again.
+        assert locking.hand_back(job, actor="w", step="run", message="throttled",
+                                 due=locking.db_now() + datetime.timedelta(minutes=5))
+    store.settle(calling.ids, 7, specs)
+    due = dict(Job.objects.filter(pk__in=["j2", "j3"]).values_list("pk", "next_run_at"))
+    assert due["j2"] <= locking.db_now() < due["j3"]
+    assert Reservation.objects.get(pk=calling.ids[0]).used_tokens == 7
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_429_pauses_the_limit_for_every_run_until_its_retry_after():
+    specs = rules.parse({"a": LIMIT})
+    first, second = _job("j1"), _job("j2")
+    calling = store.reserve(specs, first.id, first.lease_token, "k", 10)
+    store.refuse(calling.ids, 30, "HTTP 429: Rate limit reached", specs)
+    limit = Limit.objects.get(pk="a")
+    assert limit.refusals == 1 and limit.refusal == "HTTP 429: Rate limit reached"
+    later = store.reserve(specs, second.id, second.lease_token, "k", 10)
+    assert not later.go
+    assert (later.at - later.now).total_seconds() == pytest.approx(30, abs=1)
+    assert "paused by the provider's 429" in later.why
+
+
+# Runs ---------------------------------------------------------------------------------------------
+
+
+LOOKUP_THEN_ANSWER = [reply(tool_calls=[], usage=(20, 5)), reply("Delivered.", usage=(30, 4))]
+
+
+def _drain(run_worker_inline, keys, timeout=30):
+    deadline = time.monotonic() + timeout
+    while Job.objects.filter(pk__in=keys).exclude(state="done").exists():
+        assert time.monotonic() < deadline, list(Job.objects.values_list("pk", "state", "next_run_at"))
+        run_worker_inline()
+        time.sleep(0.1)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_runs_over_a_limit_wait_their_turn_throttled_and_spend_no_attempt(run_worker_inline):
+    with override_settings(DURABLE={"LIMITS": {"fake": {**LIMIT, "requests_per_minute": 20}}}), \
+            FakeModelServer([reply("Delivered.", usage=(30, 4))]) as server:
+        for n in range(3):
+            durable.submit("test_agent", f"a{n}", {"model_url": server.url})
+        _drain(run_worker_inline, ["a0", "a1", "a2"])
+        calls = server.paid_calls()
+    # 20 a minute: three seconds between two calls, whatever the worker's threads.
+    gaps = [later.at - earlier.at for earlier, later in zip(calls, calls[1:], strict=False)]
+    assert len(calls) == 3 and min(gaps) >= 2.9, gaps
+    throttled = JobEvent.objects.filter(kind=EventKind.TRANSITION, message__startswith="throttled until")
+    assert throttled.count() >= 2
+    assert "limit fake: its turn at" in throttled.first().message
+    for job in Job.objects.filter(pk__in=["a0", "a1", "a2"]):
+        assert job.result == {"answer": "Delivered.", "turns": 1}
+        assert job.attempts <= 1  # waiting its turn is not a failed attempt
+    assert set(Reservation.objects.values_list("state", flat=True)) == {ReservationState.SETTLED}
+    assert sorted(Reservation.objects.values_list("used_tokens", flat=True)) == [34, 34, 34]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_429_under_a_limit_pauses_it_and_the_run_waits_instead_of_failing(run_worker_inline):
+    with override_settings(DURABLE={"LIMITS": {"fake": {**LIMIT, "requests_per_minute": 6000}}}), \
+            FakeModelServer([reply("Delivered.", usage=(30, 4))]) as server:
+        server.fault("rate_limited", times=1, retry_after=2)
+        durable.submit("test_agent", "r1", {"model_url": server.url})
+        _drain(run_worker_inline, ["r1"])
+        answered = server.paid_calls()
+        refused = [call for call in server.calls if call.outcome == "rate_limited"]
+    assert len(refused) == 1 and len(answered) == 1
+    assert answered[0].at - refused[0].at >= 1.9  # the pause held until the Retry-After
+    limit = Limit.objects.get(pk="fake")
+    assert limit.refusals == 1 and "429" in limit.refusal
+    job = Job.objects.get(pk="r1")
+    assert job.result == {"answer": "Delivered.", "turns": 1} and job.attempts <= 1
+    assert JobEvent.objects.filter(job_id="r1", message__contains="paused 2 s by the provider's 429").exists()
+    assert not JobEvent.objects.filter(job_id="r1", kind=EventKind.RETRY).exists()
