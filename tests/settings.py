@@ -69,6 +69,8 @@ DURABLE = {
     # Agent drills hand their destinations and the model price table to their workers.
     "DESTINATIONS": json.loads(os.environ.get("DURABLE_TEST_DESTINATIONS", "{}")),
     "MODEL_PRICES": json.loads(os.environ.get("DURABLE_TEST_MODEL_PRICES", "{}")),
+    # The flow-control drills hand their provider limits to their workers.
+    "LIMITS": json.loads(os.environ.get("DURABLE_TEST_LIMITS", "{}")),
     # The PgBouncer tests point their workers' LISTEN at the server itself, or turn LISTEN
     # or prepared statements off (durable's defaults otherwise).
     "LISTEN": os.environ.get("DURABLE_TEST_LISTEN", "1") == "1",

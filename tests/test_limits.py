@@ -79,10 +79,23 @@ def test_a_pause_holds_every_call_back_until_it_ends():
     assert start == 1030.0
 
 
-def test_a_call_s_tokens_are_estimated_from_its_text_and_its_output_cap():
+def test_a_call_s_tokens_are_estimated_from_its_text_and_reserved_with_its_output_cap():
     messages = [{"role": "user", "content": "x" * 300}]
-    assert rules.estimate_tokens(messages, None, 50) - 50 >= 100  # at least a token per 3 characters
-    assert rules.estimate_tokens(messages, None, None, 700) == rules.estimate_tokens(messages, None, 700)
+    estimate = rules.estimate_tokens(messages)
+    assert estimate >= 100  # at least a token per 3 characters
+    assert rules.estimate_tokens(messages, [{"type": "function", "function": {"name": "f" * 90}}]) > estimate + 29
+    assert rules.tokens_to_reserve(estimate, 1.0, 50) == estimate + 50
+    assert rules.tokens_to_reserve(estimate, 0.5, None) == -(-estimate // 2)  # no max_tokens: the request only
+    assert rules.tokens_to_reserve(estimate, 1.0, None, 700) == estimate + 700
+
+
+def test_the_ratio_of_the_provider_s_count_to_the_estimate_is_learnt_from_the_calls_settled():
+    ratio = 1.0
+    for _ in range(30):
+        ratio = rules.learn(ratio, estimate=100, input_tokens=40)
+    assert ratio == pytest.approx(0.4, abs=0.01)
+    assert rules.learn(ratio, 0, 40) == ratio and rules.learn(ratio, 100, 0) == ratio
+    assert rules.learn(1.0, 1, 10_000) == pytest.approx(0.8 + 0.2 * rules.RATIO_BOUNDS[1])
 
 
 # The rows ---------------------------------------------------------------------------------------
@@ -149,10 +162,12 @@ def test_a_settled_call_wakes_the_run_that_queued_longest_for_its_slot():
         # Throttled, the run gives its job back, due when it looks again.
         assert locking.hand_back(job, actor="w", step="run", message="throttled",
                                  due=locking.db_now() + datetime.timedelta(minutes=5))
-    store.settle(calling.ids, 7, specs)
+    store.settle(calling.ids, 5, 2, specs)
     due = dict(Job.objects.filter(pk__in=["j2", "j3"]).values_list("pk", "next_run_at"))
     assert due["j2"] <= locking.db_now() < due["j3"]
     assert Reservation.objects.get(pk=calling.ids[0]).used_tokens == 7
+    # The request used 5 tokens where 10 were estimated: the limit learns it.
+    assert Limit.objects.get(pk="a").token_ratio == pytest.approx(0.9)
 
 
 @pytest.mark.django_db(transaction=True)
@@ -188,12 +203,19 @@ def test_runs_over_a_limit_wait_their_turn_throttled_and_spend_no_attempt(run_wo
     with override_settings(DURABLE={"LIMITS": {"fake": {**LIMIT, "requests_per_minute": 20}}}), \
             FakeModelServer([reply("Delivered.", usage=(30, 4))]) as server:
         for n in range(3):
-            durable.submit("test_agent", f"a{n}", {"model_url": server.url})
+            durable.submit("test_agent", f"a{n}", {"model_url": server.url, "message": f"Where is a{n}"})
         _drain(run_worker_inline, ["a0", "a1", "a2"])
         calls = server.paid_calls()
-    # 20 a minute: three seconds between two calls, whatever the worker's threads.
-    gaps = [later.at - earlier.at for earlier, later in zip(calls, calls[1:], strict=False)]
-    assert len(calls) == 3 and min(gaps) >= 2.9, gaps
+    # 20 a minute: the three calls' turns three seconds apart, whatever the worker's threads,
+    # and no call went before its turn.
+    turns = dict(Reservation.objects.values_list("job_id", "starts_at"))
+    moments = sorted(turns.values())
+    assert [(b - a).total_seconds() for a, b in zip(moments, moments[1:], strict=False)] == pytest.approx(
+        [3.0, 3.0], abs=0.01)
+    assert len(calls) == 3
+    for call in calls:
+        job = call.body["messages"][1]["content"].split()[-1]
+        assert call.at >= turns[job].timestamp() - 0.05, (job, call.at, turns[job])
     throttled = JobEvent.objects.filter(kind=EventKind.TRANSITION, message__startswith="throttled until")
     assert throttled.count() >= 2
     assert "limit fake: its turn at" in throttled.first().message

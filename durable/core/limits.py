@@ -29,11 +29,13 @@ FIELDS = {
     "tokens_per_minute": "input and output tokens the provider allows per minute",
     "concurrent": "calls in flight at once",
     "headroom": "the share of each rate kept unused, for the provider's clock and the network (0.03)",
-    "default_max_tokens": "output tokens a call without max_tokens is assumed to use (1024)",
+    "default_max_tokens": "output tokens reserved for a call that sets no max_tokens (none, as OpenAI counts)",
 }
 RATES = ("requests_per_minute", "tokens_per_minute")
 DEFAULT_HEADROOM = 0.03
-DEFAULT_MAX_TOKENS = 1024
+# A call that sets no max_tokens reserves only its request's tokens, as OpenAI's own
+# limiter counts it; what it writes is added when its usage settles.
+DEFAULT_MAX_TOKENS = 0
 # Characters per token when a request's tokens are estimated before the call: a
 # tokenizer averages about four per token on English text; three errs on the side of
 # reserving too many, which the settlement from the reply's usage gives back.
@@ -143,11 +145,31 @@ def _spec(name, declared):
     return LimitSpec(**fields)
 
 
-def estimate_tokens(messages, tools=None, max_tokens=None, default_max_tokens=DEFAULT_MAX_TOKENS):
-    """Tokens a call may use at most, before it is made: its request's text, and its output cap."""
+def estimate_tokens(messages, tools=None):
+    """A request's tokens, estimated from its characters before the call (tool schemas count)."""
     text = json.dumps([messages, tools or []], default=str, separators=(",", ":"))
-    out = max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else default_max_tokens
-    return math.ceil(len(text) / CHARS_PER_TOKEN) + int(out)
+    return math.ceil(len(text) / CHARS_PER_TOKEN)
+
+
+def tokens_to_reserve(estimate, ratio, max_tokens=None, default_max_tokens=DEFAULT_MAX_TOKENS):
+    """What a call reserves: its request's estimate, corrected by the limit's learnt ratio, and
+    the most it may write (its ``max_tokens``), as the provider itself counts it on arrival."""
+    out = max_tokens if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens > 0 \
+        else default_max_tokens
+    return math.ceil(estimate * ratio) + int(out)
+
+
+# How fast the ratio follows the calls settled: each weighs this much against the past.
+LEARNING = 0.2
+RATIO_BOUNDS = (0.05, 4.0)
+
+
+def learn(ratio, estimate, input_tokens):
+    """The limit's ratio once a call estimated at ``estimate`` tokens used ``input_tokens``."""
+    if estimate <= 0 or input_tokens <= 0:
+        return ratio
+    seen = min(max(input_tokens / estimate, RATIO_BOUNDS[0]), RATIO_BOUNDS[1])
+    return (1 - LEARNING) * ratio + LEARNING * seen
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ state, which every worker on every host reads and writes in short transactions
 ``durable.models``, which imports them (use them from there).
 """
 
+import datetime
+
 from django.db import models
 from django.db.models import Q
 from django.db.models.functions import Now
@@ -16,13 +18,21 @@ class Limit(models.Model):
     """One declared limit's schedule: the next free moment of its requests and of its tokens.
 
     A call books the next free moment and moves it on by what it takes; a 429 from the
-    provider pauses the limit for every worker until its Retry-After has passed.
+    provider pauses the limit for every worker until its Retry-After has passed. Moments
+    are seconds since the epoch on the database's clock: each booking is one UPDATE that
+    does its arithmetic on the locked row.
     """
 
     name = models.CharField(_("name"), max_length=100, primary_key=True)
-    requests_at = models.DateTimeField(_("requests free at"), null=True, blank=True)
-    tokens_at = models.DateTimeField(_("tokens free at"), null=True, blank=True)
-    paused_until = models.DateTimeField(_("paused until"), null=True, blank=True)
+    requests_free = models.FloatField(_("requests free at"), null=True, blank=True)
+    tokens_free = models.FloatField(_("tokens free at"), null=True, blank=True)
+    paused_until = models.FloatField(_("paused until"), null=True, blank=True)
+    # The last booking: its moment and the tokens it reserved (what the UPDATE returns).
+    booked = models.FloatField(_("last booked moment"), null=True, blank=True)
+    booked_tokens = models.BigIntegerField(_("tokens last booked"), default=0)
+    # The provider's tokens per token estimated from a request's characters, learnt from
+    # the usage of the calls settled so far: a call reserves its estimate times this.
+    token_ratio = models.FloatField(_("tokens per estimated token"), default=1.0)
     # The provider's last refusal (HTTP 429) and what it said.
     refused_at = models.DateTimeField(_("last refused"), null=True, blank=True)
     refusal = models.CharField(_("refusal"), max_length=500, blank=True, default="")
@@ -35,6 +45,11 @@ class Limit(models.Model):
 
     def __str__(self):
         return self.name
+
+    @staticmethod
+    def moment(seconds):
+        """A moment of the schedule as an aware datetime (None stays None)."""
+        return None if seconds is None else datetime.datetime.fromtimestamp(seconds, tz=datetime.UTC)
 
 
 class ReservationState(models.TextChoices):
@@ -68,6 +83,8 @@ class Reservation(models.Model):
     # The moment booked for the call (database clock): it starts no earlier.
     starts_at = models.DateTimeField(_("starts at"), null=True, blank=True)
     tokens = models.PositiveIntegerField(_("tokens reserved"), default=0)
+    # The request's tokens as estimated from its characters, before the limit's ratio.
+    estimate = models.PositiveIntegerField(_("tokens estimated"), default=0)
     used_tokens = models.PositiveIntegerField(_("tokens used"), null=True, blank=True)
     priority = models.SmallIntegerField(_("priority"), default=0)
     created = models.DateTimeField(_("created"), db_default=Now())

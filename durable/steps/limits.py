@@ -10,6 +10,7 @@ settles the reservation; a 429 pauses the limit for every worker until its Retry
 and the run waits throttled again, without spending an attempt.
 """
 
+import datetime
 import logging
 import time
 
@@ -22,7 +23,11 @@ logger = logging.getLogger("durable.limits")
 
 # A call whose turn is at most this far away waits for it in its thread: parking and
 # claiming the job again would cost more than the wait.
-SHORT_WAIT = 1.0
+SHORT_WAIT = 1.5
+# A throttled run is due this long before its turn: claimed again and replayed by then, it
+# waits the rest in its thread and calls on time. A run that came back late would send
+# its call bunched with the next ones, which a provider's window counts together.
+LEAD = 1.0
 # A 429 without a Retry-After pauses its limit this long.
 DEFAULT_PAUSE = 1.0
 
@@ -61,18 +66,15 @@ def paced(adapter, messages, tools, params, call, *, job_id, lease_token, key, r
         return call()
     out = params.get("max_tokens") or params.get("max_completion_tokens") \
         or getattr(adapter, "defaults", {}).get("max_tokens")
-    tokens = rules.estimate_tokens(messages, tools, out, max(spec.default_max_tokens for spec in specs))
-    decision = store.reserve(specs, job_id, lease_token, key, tokens, priority)
+    decision = store.reserve(specs, job_id, lease_token, key, rules.estimate_tokens(messages, tools),
+                             out if isinstance(out, int) else None, priority, soon=SHORT_WAIT)
     if not decision.go:
-        wait = (decision.at - decision.now).total_seconds()
-        if decision.queued or wait > SHORT_WAIT:
+        if decision.queued:
             raise Throttled(decision.at, decision.why)
-        if release is not None:
-            release()
-        time.sleep(max(0.0, wait))
-        store.start(decision.ids, lease_token)
+        raise Throttled(decision.at - datetime.timedelta(seconds=LEAD), decision.why)
     if release is not None:
-        release()  # the call waits on the provider: on no connection
+        release()  # the call waits for its turn and on the provider: on no connection
+    time.sleep(max(0.0, (decision.at - decision.now).total_seconds()))
     try:
         reply = call()
     except RateLimited as exc:
@@ -86,6 +88,6 @@ def paced(adapter, messages, tools, params, call, *, job_id, lease_token, key, r
     except BaseException:
         store.release(decision.ids, specs)
         raise
-    used = int(getattr(reply, "input_tokens", 0) or 0) + int(getattr(reply, "output_tokens", 0) or 0)
-    store.settle(decision.ids, used, specs)
+    store.settle(decision.ids, int(getattr(reply, "input_tokens", 0) or 0),
+                 int(getattr(reply, "output_tokens", 0) or 0), specs)
     return reply

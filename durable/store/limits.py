@@ -1,39 +1,90 @@
-"""Provider limits in the database: book a call's moment, start it, settle it, pause on a 429.
+"""Provider limits in the database: book a call's moment, settle it, pause on a 429.
 
-Every worker on every host paces its model calls by the same ``Limit`` rows, each
-written in a short transaction that locks the limit's row (``SELECT ... FOR UPDATE`` on
-PostgreSQL; SQLite's IMMEDIATE transaction holds its one write lock): two workers never
-book the same moment. The arithmetic is ``durable.core.limits``'s; here it meets the
-database clock, and each call's share of each limit is a ``Reservation`` row:
+Every worker on every host paces its model calls by the same ``Limit`` rows. A booking
+is one UPDATE of the limit's row that does its arithmetic on the row it locked
+(``durable.core.limits`` says what it computes): two workers never get the same moment,
+and a row is locked only for the length of one statement, so hundreds of runs booking
+at once queue on it for microseconds, not for round trips. Each call's share of each
+limit is a ``Reservation`` row, written by the run alone:
 
 - ``reserve`` books the call's moment on each limit that covers it (or finds the one it
-  booked before it was throttled) and says when it may go; a call whose limits have
-  room now starts at once (its reservations turn ``calling``);
-- ``settle`` records the reply's usage (tokens booked and not used come back), ``refuse``
-  a 429 (the limit pauses for every worker until its Retry-After), ``release`` a call
-  that failed otherwise;
+  booked before it was throttled) and says when it may go; a call whose turn is now, or
+  soon enough to wait for in its thread, is in flight (``calling``) from there;
+- ``settle`` records the reply's usage (tokens booked and not used come back, and the
+  limit learns how its estimate compares with the provider's count), ``refuse`` a 429
+  (the limit pauses for every worker until its Retry-After), ``release`` a call that
+  failed otherwise;
 - a concurrent slot is held by a ``calling`` reservation only while its job holds the
   lease it was taken under, so a run that dies gives its slot back when its lease
   passes; a slot given back wakes the run that has queued longest for one.
 """
 
 import datetime
+import time
 from dataclasses import dataclass
 
-from django.db import transaction
-from django.db.models import Exists, F, OuterRef
+from django.db import connection, transaction
+from django.db.models import Exists, F, OuterRef, Q
 from django.db.models.functions import Now
 
 from ..core import limits as rules
 from ..models import Job, Limit, Reservation, ReservationState
 from . import database
 
-# A booked moment this late is still used; one later belongs to a run that was away
-# (killed, drained): the moment passed unused and the call books a new one.
-STALE_SECONDS = 2.0
+# A booked moment this late is still used; one later passed unused (the run was away:
+# killed, drained, or claimed late on a busy machine) and the call books a new one. Sent
+# late, it would go out together with the calls booked after it, and a provider counts
+# its window by arrivals.
+STALE_SECONDS = 0.25
 # Seconds a run waits for a concurrent slot before it looks again, if no slot given back
 # wakes it first.
 QUEUED_RECHECK = 5.0
+
+# One booking, on the row it locks (PostgreSQL re-reads a row updated concurrently before
+# it computes the new one; SQLite's IMMEDIATE transaction holds the write lock). The
+# moment is the latest of now, the end of a pause and the next free moment of each rate
+# the limit has; the call's tokens are its estimate times the learnt ratio, plus its
+# output cap; each rate's next free moment moves on by what the call takes.
+BOOK = {
+    "postgresql": """
+UPDATE durable_limit AS l
+SET booked = GREATEST(extract(epoch FROM statement_timestamp())::float8, l.paused_until,
+                      CASE WHEN %(per_request)s::float8 IS NOT NULL THEN l.requests_free END,
+                      CASE WHEN %(per_token)s::float8 IS NOT NULL THEN l.tokens_free END),
+    booked_tokens = ceil(%(estimate)s * l.token_ratio)::bigint + %(out)s,
+    requests_free = CASE WHEN %(per_request)s::float8 IS NULL THEN l.requests_free ELSE
+        GREATEST(extract(epoch FROM statement_timestamp())::float8, l.paused_until, l.requests_free,
+                 CASE WHEN %(per_token)s::float8 IS NOT NULL THEN l.tokens_free END)
+        + %(per_request)s::float8 END,
+    tokens_free = CASE WHEN %(per_token)s::float8 IS NULL THEN l.tokens_free ELSE
+        GREATEST(extract(epoch FROM statement_timestamp())::float8, l.paused_until, l.tokens_free,
+                 CASE WHEN %(per_request)s::float8 IS NOT NULL THEN l.requests_free END)
+        + %(per_token)s::float8 * (ceil(%(estimate)s * l.token_ratio)::bigint + %(out)s) END,
+    updated = statement_timestamp()
+WHERE l.name = %(name)s
+RETURNING l.booked, l.booked_tokens, extract(epoch FROM statement_timestamp())::float8, l.paused_until
+""",
+    # SQLite has no ceil() in every build: a positive x rounds up as CAST(x) + (x > CAST(x)).
+    "sqlite": """
+UPDATE durable_limit
+SET booked = MAX(%(now)s, COALESCE(paused_until, %(now)s),
+                 CASE WHEN %(per_request)s IS NOT NULL THEN COALESCE(requests_free, %(now)s) ELSE %(now)s END,
+                 CASE WHEN %(per_token)s IS NOT NULL THEN COALESCE(tokens_free, %(now)s) ELSE %(now)s END),
+    booked_tokens = CAST(%(estimate)s * token_ratio AS INTEGER)
+        + (%(estimate)s * token_ratio > CAST(%(estimate)s * token_ratio AS INTEGER)) + %(out)s,
+    requests_free = CASE WHEN %(per_request)s IS NULL THEN requests_free ELSE
+        MAX(%(now)s, COALESCE(paused_until, %(now)s), COALESCE(requests_free, %(now)s),
+            CASE WHEN %(per_token)s IS NOT NULL THEN COALESCE(tokens_free, %(now)s) ELSE %(now)s END)
+        + %(per_request)s END,
+    tokens_free = CASE WHEN %(per_token)s IS NULL THEN tokens_free ELSE
+        MAX(%(now)s, COALESCE(paused_until, %(now)s), COALESCE(tokens_free, %(now)s),
+            CASE WHEN %(per_request)s IS NOT NULL THEN COALESCE(requests_free, %(now)s) ELSE %(now)s END)
+        + %(per_token)s * (CAST(%(estimate)s * token_ratio AS INTEGER)
+                           + (%(estimate)s * token_ratio > CAST(%(estimate)s * token_ratio AS INTEGER)) + %(out)s) END
+WHERE name = %(name)s
+RETURNING booked, booked_tokens, %(now)s, paused_until
+""",
+}
 
 
 @dataclass(frozen=True)
@@ -44,22 +95,38 @@ class Decision:
     at: datetime.datetime
     now: datetime.datetime  # the database's clock when it was decided
     why: str = ""  # for a wait: which limit, and what it waits for
-    ids: tuple = ()  # the call's reservations (for start / settle / refuse / release)
+    ids: tuple = ()  # the call's reservations (for settle / refuse / release)
     queued: bool = False  # waits for a concurrent slot, not for a moment
 
 
-def _epoch(moment):
-    return None if moment is None else moment.timestamp()
+def _book(spec, estimate, max_tokens):
+    """Book the next free moment of ``spec``'s limit: (moment, tokens, now, paused_until), epochs."""
+    params = {"name": spec.name, "per_request": spec.seconds_per_request(), "per_token": spec.seconds_per_token(),
+              "estimate": int(estimate), "out": rules.tokens_to_reserve(0, 0, max_tokens, spec.default_max_tokens)}
+    vendor = connection.vendor
+    if vendor not in BOOK:
+        Limit.objects.get_or_create(name=spec.name)
+        return _book_by_orm(spec, params)
+    params["now"] = time.time()  # SQLite's clock is this machine's (PostgreSQL reads its own)
+    with connection.cursor() as cursor:
+        cursor.execute(BOOK[vendor], params)
+        booked = cursor.fetchone()
+    if booked is None:  # the limit's first call: its row is made, then booked
+        Limit.objects.get_or_create(name=spec.name)
+        return _book(spec, estimate, max_tokens)
+    return booked
 
 
-def _moment(seconds):
-    return None if seconds is None else datetime.datetime.fromtimestamp(seconds, tz=datetime.UTC)
-
-
-def _locked(name):
-    """The limit's row, locked for this transaction (created on its first use)."""
-    Limit.objects.get_or_create(name=name)
-    return Limit.objects.select_for_update().get(name=name)
+def _book_by_orm(spec, params):
+    """The same booking for any other database: the row locked, the arithmetic in Python."""
+    limit = Limit.objects.select_for_update().get(name=spec.name)
+    now = database.current().now().timestamp()
+    tokens = rules.tokens_to_reserve(params["estimate"], limit.token_ratio) + params["out"]
+    start, schedule = rules.book(spec, rules.Schedule(limit.requests_free, limit.tokens_free, limit.paused_until),
+                                 now, tokens)
+    Limit.objects.filter(name=spec.name).update(booked=start, booked_tokens=tokens, requests_free=schedule.requests_at,
+                                                tokens_free=schedule.tokens_at, updated=Now())
+    return start, tokens, now, limit.paused_until
 
 
 def live_calls():
@@ -77,118 +144,163 @@ def _free_slots(spec, now):
     return spec.concurrent - calling.count()
 
 
-def reserve(specs, job_id, lease_token, key, tokens, priority=0):
-    """Book a call of ``tokens`` on every limit in ``specs``; a ``Decision`` on when it may go.
+def _usable(held, now):
+    """The run's reservation of a call if it can still use it; else it is given back (None)."""
+    if held is None:
+        return None
+    # Taken by an earlier attempt (under an older lease) that never settled; or a moment
+    # that passed while the run was away (killed, drained): neither is the call's now.
+    gone = held.state == ReservationState.CALLING or (
+        held.state == ReservationState.BOOKED and held.starts_at is not None
+        and (now - held.starts_at).total_seconds() > STALE_SECONDS)
+    if not gone:
+        return held
+    Reservation.objects.filter(pk=held.pk).update(state=ReservationState.RELEASED, settled_at=now)
+    return None
 
+
+def _queued_for_slot(spec, held, job_id, key, estimate, lease_token, priority, now):
+    """``held``, or a new reservation, waiting for a concurrent slot of ``spec``: its id."""
+    if held is None:
+        return Reservation.objects.create(limit=spec.name, job_id=job_id, key=key, state=ReservationState.QUEUED,
+                                          estimate=estimate, lease_token=lease_token, priority=priority).pk
+    if held.state == ReservationState.BOOKED:
+        # Its moment would pass while it waits: it books a new one once it has a slot.
+        Reservation.objects.filter(pk=held.pk).update(state=ReservationState.QUEUED, starts_at=None)
+    return held.pk
+
+
+def _slot_of(specs, mine, job_id, key, estimate, lease_token, priority, now):
+    """The first limit of ``specs`` whose concurrent slots are all taken, and the call's queued
+    reservation on it; (None, None) when every limit has a slot for the call."""
+    for spec in specs:
+        if not spec.concurrent:
+            continue
+        Limit.objects.get_or_create(name=spec.name)
+        with transaction.atomic():
+            # Counted under the limit's row lock: two runs never both see the last slot free.
+            Limit.objects.select_for_update().filter(name=spec.name).exists()
+            if _free_slots(spec, now) <= 0:
+                return spec, _queued_for_slot(spec, mine.get(spec.name), job_id, key, estimate, lease_token,
+                                              priority, now)
+    return None, None
+
+
+def reserve(specs, job_id, lease_token, key, estimate, max_tokens=None, priority=0, soon=0.0):
+    """Book a call on every limit in ``specs``; a ``Decision`` on when it may go.
+
+    ``estimate`` is the request's tokens estimated from its characters; the call reserves
+    that times the limit's learnt ratio, plus ``max_tokens`` (the most it may write). A
+    call whose turn is at most ``soon`` seconds away goes (its caller sleeps until then).
     A run that comes back for a call it booked before finds its moment; one that comes
     back after its moment passed (it was killed or drained meanwhile) books a new one.
     Booked calls go in the order they booked; a call waiting for a concurrent slot is
     queued and woken when one is given back.
     """
-    with transaction.atomic():
+    # The run's own rows (nobody else writes them), each with the database's clock; a run's
+    # first call has none, and its booking reads the clock.
+    mine = {r.limit: r for r in Reservation.objects.filter(
+        job_id=job_id, key=key, state__in=[*ReservationState.waiting(), ReservationState.CALLING],
+    ).annotate(db_now=Now())}
+    now = next(iter(mine.values())).db_now if mine else None
+    mine = {name: held for name, held in ((n, _usable(h, now)) for n, h in mine.items()) if held is not None}
+    if any(spec.concurrent for spec in specs) and now is None:
         now = database.current().now()
-        mine = {r.limit: r for r in Reservation.objects.select_for_update().filter(
-            job_id=job_id, key=key, state__in=[*ReservationState.waiting(), ReservationState.CALLING])}
-        at, waits, ids, slots_full = now, [], [], None
-        for spec in sorted(specs, key=lambda spec: spec.name):
-            limit = _locked(spec.name)
-            held = mine.get(spec.name)
-            if held is not None and held.state == ReservationState.CALLING:
-                # Taken by an earlier attempt (under an older lease) that never settled.
-                held.state, held.settled_at = ReservationState.RELEASED, now
-                held.save(update_fields=["state", "settled_at"])
-                held = None
-            if held is not None and held.state == ReservationState.BOOKED and held.starts_at is not None \
-                    and (now - held.starts_at).total_seconds() > STALE_SECONDS:
-                held.state, held.settled_at = ReservationState.RELEASED, now
-                held.save(update_fields=["state", "settled_at"])
-                held = None
-            if spec.concurrent and _free_slots(spec, now) <= 0:
-                slots_full = spec
-                if held is None:
-                    held = Reservation.objects.create(limit=spec.name, job_id=job_id, key=key,
-                                                      state=ReservationState.QUEUED, tokens=tokens,
-                                                      lease_token=lease_token, priority=priority)
-                ids.append(held.pk)
-                continue
-            if held is None or held.state == ReservationState.QUEUED:
-                start, schedule = rules.book(spec, rules.Schedule(
-                    _epoch(limit.requests_at), _epoch(limit.tokens_at), _epoch(limit.paused_until)),
-                    now.timestamp(), tokens)
-                limit.requests_at, limit.tokens_at = _moment(schedule.requests_at), _moment(schedule.tokens_at)
-                limit.updated = now
-                limit.save(update_fields=["requests_at", "tokens_at", "updated"])
-                if held is None:
-                    held = Reservation(limit=spec.name, job_id=job_id, key=key, priority=priority)
-                held.state, held.starts_at, held.tokens = ReservationState.BOOKED, _moment(start), tokens
-                held.lease_token = lease_token
-                held.save()
+    specs = sorted(specs, key=lambda spec: spec.name)  # rows locked in one order: no deadlock
+    full, queued = _slot_of(specs, mine, job_id, key, estimate, lease_token, priority, now)
+    if full is not None:
+        return Decision(False, now + datetime.timedelta(seconds=QUEUED_RECHECK), now, ids=(queued,), queued=True,
+                        why=f"limit {full.name}: all {full.concurrent} calls at once are in flight;"
+                            " waiting for one to finish")
+    at, why, rows = None, "", []
+    for spec in specs:
+        held = mine.get(spec.name)
+        if held is None or held.state == ReservationState.QUEUED:
+            start, tokens, now_, paused = _book(spec, estimate, max_tokens)
+            now = Limit.moment(now_) if now is None else max(now, Limit.moment(now_))
+            moment = Limit.moment(start)
+            rows.append((held, spec, {"starts_at": moment, "tokens": tokens, "estimate": estimate}))
+            if moment > now:
+                pause = paused is not None and paused >= start - 1
+                why = f"limit {spec.name}: its turn at {moment.isoformat()}" + (
+                    " (paused by the provider's 429)" if pause else f" ({spec.describe()})")
+        else:
+            moment = held.starts_at
+            rows.append((held, spec, {}))
+            if moment > now:
+                why = f"limit {spec.name}: its turn at {moment.isoformat()} ({spec.describe()})"
+        at = moment if at is None else max(at, moment)
+    # Its turn is now, or ``soon`` enough that the caller sleeps until it in its thread: the
+    # call is in flight from here (no second write before it goes).
+    at = max(at, now)
+    go = at <= now + datetime.timedelta(seconds=soon)
+    state = ReservationState.CALLING if go else ReservationState.BOOKED
+    ids = []
+    for held, spec, fields in rows:
+        fields.update(state=state, lease_token=lease_token)
+        if held is None:
+            ids.append(Reservation.objects.create(limit=spec.name, job_id=job_id, key=key, priority=priority,
+                                                  **fields).pk)
+        else:
+            Reservation.objects.filter(pk=held.pk).update(**fields)
             ids.append(held.pk)
-            if held.starts_at > at:
-                at = held.starts_at
-                waits.append(f"limit {spec.name}: its turn at {held.starts_at.isoformat()}"
-                             + (" (paused by the provider's 429)" if limit.paused_until
-                                and limit.paused_until >= held.starts_at - datetime.timedelta(seconds=1)
-                                else f" ({spec.describe()})"))
-        if slots_full is not None:
-            # Wait for a slot; the calls' booked moments (if any) are given back: they would
-            # pass while the run waits, and it books new ones when it has a slot.
-            Reservation.objects.filter(pk__in=ids, state=ReservationState.BOOKED).update(
-                state=ReservationState.QUEUED, starts_at=None)
-            return Decision(False, now + datetime.timedelta(seconds=QUEUED_RECHECK), now,
-                            why=f"limit {slots_full.name}: all {slots_full.concurrent} calls at once are"
-                                " in flight; waiting for one to finish", ids=tuple(ids), queued=True)
-        go = at <= now
-        if go:
-            Reservation.objects.filter(pk__in=ids).update(state=ReservationState.CALLING,
-                                                          lease_token=lease_token)
-        return Decision(go, at, now, why="; ".join(waits[-1:]), ids=tuple(ids))
+    return Decision(go, at, now, why=why, ids=tuple(ids))
 
 
-def start(ids, lease_token):
-    """The call goes now: its reservations (booked moments that came) turn ``calling``."""
-    return Reservation.objects.filter(pk__in=ids, state=ReservationState.BOOKED).update(
-        state=ReservationState.CALLING, lease_token=lease_token)
+SETTLE = """
+UPDATE durable_limit
+SET tokens_free = CASE WHEN tokens_free IS NULL THEN NULL ELSE tokens_free - %s * (%s - %s) END,
+    token_ratio = token_ratio * %s + %s,
+    updated = CURRENT_TIMESTAMP
+WHERE name = %s
+"""
 
 
-def _close(ids, state, specs, *, used=None, pause=None, message=""):
+def _close(ids, state, specs, *, used=None, input_tokens=0, pause=None, message=""):
     """End the call's reservations in ``state``; with ``used``, settle its tokens; with ``pause``, pause."""
     specs = {spec.name: spec for spec in specs}
-    with transaction.atomic():
-        now = database.current().now()
-        rows = list(Reservation.objects.select_for_update().filter(
-            pk__in=ids, state__in=[*ReservationState.waiting(), ReservationState.CALLING]))
-        woken = []
-        # Limits locked in name order, as ``reserve`` does: two calls never wait on each other.
-        for row in sorted(rows, key=lambda r: r.limit):
-            limit = _locked(row.limit)
-            spec = specs.get(row.limit)
-            fields = ["updated"]
-            if used is not None and spec is not None and limit.tokens_at is not None \
-                    and row.state == ReservationState.CALLING:
-                limit.tokens_at = _moment(rules.give_back(spec, _epoch(limit.tokens_at), row.tokens, used))
-                fields.append("tokens_at")
-            if pause is not None:
-                until = now + datetime.timedelta(seconds=max(0.0, float(pause)))
-                if limit.paused_until is None or limit.paused_until < until:
-                    limit.paused_until = until
-                limit.refused_at, limit.refusal = now, message[:500]
-                limit.refusals = F("refusals") + 1
-                fields += ["paused_until", "refused_at", "refusal", "refusals"]
-            limit.updated = now
-            limit.save(update_fields=fields)
-            if row.state == ReservationState.CALLING and spec is not None and spec.concurrent:
-                woken.append(row.limit)
-        Reservation.objects.filter(pk__in=[r.pk for r in rows]).update(
-            state=state, used_tokens=used, settled_at=now)
-        for name in woken:
-            wake_queued(name)
+    now = database.current().now() if pause is not None else Now()
+    rows = list(Reservation.objects.filter(
+        pk__in=ids, state__in=[*ReservationState.waiting(), ReservationState.CALLING]))
+    woken = []
+    for row in sorted(rows, key=lambda r: r.limit):
+        spec = specs.get(row.limit)
+        calling = row.state == ReservationState.CALLING
+        per_token = spec.seconds_per_token() if spec is not None else None
+        keep = 1.0
+        seen = 0.0
+        if input_tokens and calling and row.estimate:
+            # The provider's count beside the estimate teaches the limit its ratio.
+            keep = 1 - rules.LEARNING
+            seen = rules.LEARNING * min(max(input_tokens / row.estimate, rules.RATIO_BOUNDS[0]),
+                                        rules.RATIO_BOUNDS[1])
+        if calling and ((used is not None and per_token is not None) or seen):
+            with connection.cursor() as cursor:
+                cursor.execute(SETTLE, [per_token or 0.0, row.tokens, row.tokens if used is None else used,
+                                        keep, seen, row.limit])
+        if pause is not None:
+            until = now.timestamp() + max(0.0, float(pause))
+            Limit.objects.filter(name=row.limit).update(refused_at=now, refusal=message[:500],
+                                                        refusals=F("refusals") + 1, updated=now)
+            # The later of two pauses wins, whichever worker records it last.
+            Limit.objects.filter(Q(paused_until__isnull=True) | Q(paused_until__lt=until),
+                                 name=row.limit).update(paused_until=until)
+        if calling and spec is not None and spec.concurrent:
+            woken.append(row.limit)
+    Reservation.objects.filter(pk__in=[r.pk for r in rows]).update(state=state, used_tokens=used, settled_at=now)
+    for name in woken:
+        wake_queued(name)
     return len(rows)
 
 
-def settle(ids, used_tokens, specs):
-    """The call was answered: its tokens are the reply's usage, what it booked beyond comes back."""
-    return _close(ids, ReservationState.SETTLED, specs, used=int(used_tokens))
+def settle(ids, input_tokens, output_tokens, specs):
+    """The call was answered: its tokens are the reply's usage, what it booked beyond comes back.
+
+    Its input tokens teach the limit how far the estimate from characters is from the
+    provider's count.
+    """
+    return _close(ids, ReservationState.SETTLED, specs, used=int(input_tokens) + int(output_tokens),
+                  input_tokens=int(input_tokens))
 
 
 def refuse(ids, retry_after, message, specs):
