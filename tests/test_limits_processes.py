@@ -95,3 +95,34 @@ def test_workers_killed_under_a_limit_leak_no_reservation_and_every_run_finishes
     # Nothing still booked, queued or in flight: the dead runs' shares came back.
     open_ = Reservation.objects.filter(state__in=[*ReservationState.waiting(), ReservationState.CALLING])
     assert not open_.exists(), list(open_.values_list("job_id", "key", "state"))
+
+
+def most_in_flight(calls):
+    """The most calls the server was answering at one moment (from arrival to reply)."""
+    edges = sorted([(c.at, 1) for c in calls] + [(c.answered, -1) for c in calls if c.answered])
+    best = now = 0
+    for _, step in edges:
+        now += step
+        best = max(best, now)
+    return best
+
+
+def test_a_limit_of_calls_at_once_holds_across_processes_and_a_slot_given_back_wakes_a_waiting_run(
+        workers, tmp_path):
+    runs, at_once = 40, 3
+    limits = ProviderLimits(concurrent=at_once)
+    with FakeModelServer(LOOKUP_THEN_ANSWER, latency=0.5, limits=limits) as server:
+        for n in range(runs):
+            durable.submit("test_agent", f"c{n}", {"model_url": server.url, "log": str(tmp_path / "tools.log"),
+                                                   "message": f"Where is the order of c{n}"})
+        declared_ = json.dumps({"fake": {"models": ["fake-model"], "concurrent": at_once}})
+        proc = workers.start("--no-dispatcher", "--connections", "8", processes=4, DURABLE_TEST_THREADS=10,
+                             DURABLE_TEST_LIMITS=declared_)
+        wait_for(lambda: Job.objects.filter(state="done").count() == runs, timeout=120,
+                 message="every run to finish")
+        assert workers.terminate(proc) == 0, workers.output(proc)[-3000:]
+        paid, refused = server.paid_calls(), server.rate_limited_calls()
+    assert len(paid) == 2 * runs and not refused
+    assert most_in_flight(paid) == at_once  # the fleet filled the slots, never more
+    woken = collections.Counter(Reservation.objects.values_list("state", flat=True))
+    assert set(woken) <= {ReservationState.SETTLED, ReservationState.RELEASED}, woken

@@ -172,21 +172,35 @@ def _queued_for_slot(spec, held, job_id, key, estimate, lease_token, priority, n
 
 def _slot_of(specs, mine, job_id, key, estimate, lease_token, priority, now):
     """The first limit of ``specs`` whose concurrent slots are all taken, and the call's queued
-    reservation on it; (None, None) when every limit has a slot for the call."""
+    reservation on it; (None, None) when every limit has a slot for the call. Runs inside
+    ``reserve``'s transaction, which holds the limits' rows: two runs never both see the
+    last slot free."""
     for spec in specs:
-        if not spec.concurrent:
-            continue
-        Limit.objects.get_or_create(name=spec.name)
-        with transaction.atomic():
-            # Counted under the limit's row lock: two runs never both see the last slot free.
-            Limit.objects.select_for_update().filter(name=spec.name).exists()
-            if _free_slots(spec, now) <= 0:
-                return spec, _queued_for_slot(spec, mine.get(spec.name), job_id, key, estimate, lease_token,
-                                              priority, now)
+        if spec.concurrent and _free_slots(spec, now) <= 0:
+            return spec, _queued_for_slot(spec, mine.get(spec.name), job_id, key, estimate, lease_token,
+                                          priority, now)
     return None, None
 
 
 def reserve(specs, job_id, lease_token, key, estimate, max_tokens=None, priority=0, soon=0.0):
+    """Book a call on every limit in ``specs``; a ``Decision`` on when it may go (see ``_reserve``).
+
+    Under a limit of concurrent calls, counting its slots and taking one are one
+    transaction that holds the rows of every limit of the call (locked in name order, so
+    two calls never wait on each other); rates alone need no transaction: each booking is
+    one statement.
+    """
+    specs = sorted(specs, key=lambda spec: spec.name)
+    if not any(spec.concurrent for spec in specs):
+        return _reserve(specs, job_id, lease_token, key, estimate, max_tokens, priority, soon)
+    for spec in specs:
+        Limit.objects.get_or_create(name=spec.name)
+    with transaction.atomic():
+        list(Limit.objects.select_for_update().filter(name__in=[spec.name for spec in specs]).order_by("name"))
+        return _reserve(specs, job_id, lease_token, key, estimate, max_tokens, priority, soon)
+
+
+def _reserve(specs, job_id, lease_token, key, estimate, max_tokens, priority, soon):
     """Book a call on every limit in ``specs``; a ``Decision`` on when it may go.
 
     ``estimate`` is the request's tokens estimated from its characters; the call reserves
@@ -206,7 +220,6 @@ def reserve(specs, job_id, lease_token, key, estimate, max_tokens=None, priority
     mine = {name: held for name, held in ((n, _usable(h, now)) for n, h in mine.items()) if held is not None}
     if any(spec.concurrent for spec in specs) and now is None:
         now = database.current().now()
-    specs = sorted(specs, key=lambda spec: spec.name)  # rows locked in one order: no deadlock
     full, queued = _slot_of(specs, mine, job_id, key, estimate, lease_token, priority, now)
     if full is not None:
         return Decision(False, now + datetime.timedelta(seconds=QUEUED_RECHECK), now, ids=(queued,), queued=True,
