@@ -57,7 +57,7 @@ def child_serve(args):
 
 
 def declared(args):
-    limit = {"models": ["fake-model"], "requests_per_minute": args.rpm}
+    limit = {"models": ["fake-model"], "requests_per_minute": args.rpm, "window": args.window}
     if args.tpm:
         limit["tokens_per_minute"] = args.tpm
     return {"LIMITS": {"provider": limit}}
@@ -90,7 +90,7 @@ def one(database, args, workdir):
     subprocess.run([sys.executable, str(ROOT / "bench" / "inflight.py"), "--role", "submit", "--runs",
                     str(args.runs)], env=env, check=True, capture_output=True, timeout=600)
     began = time.monotonic()
-    workers = subprocess.Popen([sys.executable, str(ROOT / "bench" / "inflight.py"), "--role", "workers",
+    workers = subprocess.Popen([sys.executable, str(ROOT / "bench" / "inflight.py"), "--role", "workers", "--",
                                 "--no-dispatcher", "--processes", "4", "--threads", str(args.threads),
                                 "--connections", str(args.connections)],
                                env=env, stdout=open(workdir / f"workers-{database}.log", "w"),
@@ -98,6 +98,8 @@ def one(database, args, workdir):
     try:
         while True:
             time.sleep(2)
+            if workers.poll() is not None:
+                raise RuntimeError(f"runworkers exited ({workers.returncode}): see {workdir}/workers-{database}.log")
             states = report_states(env)["states"]
             if states.get("done", 0) == args.runs or time.monotonic() - began > args.timeout:
                 break

@@ -260,7 +260,7 @@ def bulk_finished(start, stop):
 def explain_claim():
     from django.db import connection, transaction
 
-    from durable.store import database, sqlite
+    from durable.store import database, records, sqlite
 
     with transaction.atomic():
         with connection.cursor() as cur:
@@ -269,7 +269,7 @@ def explain_claim():
                                                                             None)
                 cur.execute("EXPLAIN (ANALYZE, BUFFERS) " + statement, params)
             else:
-                cur.execute("EXPLAIN QUERY PLAN " + sqlite.PICK_JOB.format(filters=""))
+                cur.execute("EXPLAIN QUERY PLAN " + sqlite.PICK_JOB.format(filters=""), [records.claim_reach()])
             plan = "\n".join(" ".join(str(c) for c in row) for row in cur.fetchall())
         # EXPLAIN ANALYZE really ran the UPDATE: leave the table as it was.
         transaction.set_rollback(True)

@@ -7,6 +7,7 @@ from .conf import durable_settings, shares_connections
 from .core import limits
 from .core.workflows import registry
 from .store import database
+from .store.records import priority_aging
 
 
 @checks.register()
@@ -120,6 +121,19 @@ def check_limits(app_configs, **kwargs):
         limits.parse(durable_settings.LIMITS)
     except limits.LimitConfigError as exc:
         return [checks.Error(f"{exc}.", hint="See 'Provider limits' in the README.", id="durable.E045")]
+    return []
+
+
+@checks.register()
+def check_priority_aging(app_configs, **kwargs):
+    """A PRIORITY_AGING that is not a number of seconds from 0 to a day: every submit would refuse it."""
+    from django.core.exceptions import ImproperlyConfigured
+
+    try:
+        priority_aging()
+    except ImproperlyConfigured as exc:
+        return [checks.Error(str(exc), hint="See the configuration reference in the README.",
+                             id="durable.E046")]
     return []
 
 

@@ -26,6 +26,12 @@ DEFAULTS = {
     "MAX_PAYLOAD_BYTES": 256 * 1024,
     # last_error is truncated to this many characters (after secrets are scrubbed).
     "MAX_ERROR_CHARS": 2000,
+    # Job priorities: seconds of head start per priority step. The claim counts a job of
+    # priority p due p x this earlier than it is (fixed at submit), so a job is passed
+    # only by jobs of higher priority that fell due less than the difference of priorities
+    # x this after it: 200 x this at most, so nothing waits forever. 0: first due, first
+    # run, whatever the priority. A number of seconds from 0 to 86400 (check durable.E046).
+    "PRIORITY_AGING": 1.0,
     # Idle workers look for work at least this often (seconds), even without a wake-up.
     "POLL_INTERVAL": 1.0,
     # SQLite: how often an idle worker checks whether another connection committed.

@@ -54,6 +54,13 @@ def test_the_system_check_names_a_limit_declared_wrong():
     assert "LIMITS['openai']['requests_per_minute'] must be a number above 0, not -5" in str(refused.value)
 
 
+def test_a_call_may_be_late_for_its_moment_by_the_slack_its_headroom_leaves_in_the_provider_s_window():
+    [minute, short] = rules.parse({"minute": {"requests_per_minute": 60},
+                                   "short": {"requests_per_minute": 60, "window": 6, "headroom": 0.05}})
+    assert minute.late_allowed() == pytest.approx(1.8)
+    assert short.late_allowed() == pytest.approx(0.3)
+
+
 def test_a_limit_covers_the_models_and_providers_it_names():
     [spec] = rules.parse({"gpt": {"models": ["gpt-4o*"], "providers": ["openai"], "concurrent": 3}})
     assert spec.covers("openai", "gpt-4o-mini")
@@ -132,7 +139,7 @@ def test_a_booked_moment_that_passed_unused_is_given_back_and_a_new_one_booked()
     store.reserve(specs, first.id, first.lease_token, "k", 10)
     late = store.reserve(specs, second.id, second.lease_token, "k", 10)
     Reservation.objects.filter(pk__in=late.ids).update(
-        starts_at=late.at - datetime.timedelta(seconds=store.STALE_SECONDS + 5))
+        starts_at=late.at - datetime.timedelta(seconds=specs[0].late_allowed() + 5))
     again = store.reserve(specs, second.id, second.lease_token, "k", 10)
     assert again.ids != late.ids
     assert Reservation.objects.get(pk=late.ids[0]).state == ReservationState.RELEASED
@@ -168,6 +175,20 @@ def test_a_settled_call_wakes_the_run_that_queued_longest_for_its_slot():
     assert Reservation.objects.get(pk=calling.ids[0]).used_tokens == 7
     # The request used 5 tokens where 10 were estimated: the limit learns it.
     assert Limit.objects.get(pk="a").token_ratio == pytest.approx(0.9)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_slot_given_back_wakes_the_waiting_run_of_the_highest_priority_first():
+    specs = rules.parse({"a": {"concurrent": 1}})
+    first, low, high = _job("j1"), _job("j2"), _job("j3")
+    calling = store.reserve(specs, first.id, first.lease_token, "k", 10)
+    for job, priority in ((low, 0), (high, 10)):
+        store.reserve(specs, job.id, job.lease_token, "k", 10, priority=priority)
+        assert locking.hand_back(job, actor="w", step="run", message="throttled",
+                                 due=locking.db_now() + datetime.timedelta(minutes=5))
+    store.settle(calling.ids, 5, 2, specs)
+    due = dict(Job.objects.filter(pk__in=["j2", "j3"]).values_list("pk", "next_run_at"))
+    assert due["j3"] <= locking.db_now() < due["j2"]  # queued later, but of a higher priority
 
 
 @pytest.mark.django_db(transaction=True)

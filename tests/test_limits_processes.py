@@ -35,7 +35,7 @@ PER_MINUTE, WINDOW = 1200, 6.0
 
 def declared(**extra):
     return json.dumps({"fake": {"models": ["fake-model"], "requests_per_minute": PER_MINUTE,
-                                "tokens_per_minute": 200_000, **extra}})
+                                "tokens_per_minute": 200_000, "window": WINDOW, **extra}})
 
 
 def achieved(calls):

@@ -388,13 +388,6 @@ def test_a_tasks_queue_is_the_jobs_queue_that_runworkers_can_select():
 
 
 @pytest.mark.django_db
-def test_priority_is_refused_because_workers_do_not_order_by_it():
-    with pytest.raises(InvalidTask, match="priority"):
-        add.using(priority=10)
-    assert not Job.objects.exists()
-
-
-@pytest.mark.django_db
 def test_a_queue_the_backend_does_not_serve_is_refused():
     with pytest.raises(InvalidTask, match="Queue 'nope'"):
         add.using(queue_name="nope")

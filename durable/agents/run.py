@@ -75,6 +75,7 @@ class AgentRun:
         self.turn_limit = workflow.max_turns
         self.budget = workflow.budget
         self.changed = []  # keys whose input fingerprint differs from the memo's
+        self.priority = 0  # the job's: it orders the runs waiting for a provider limit's slot
         self.ctx = AgentContext(self)
 
     # Loading -----------------------------------------------------------------------
@@ -87,8 +88,8 @@ class AgentRun:
             memo = Memo(*row)
             self.memos[memo.key] = memo
             self.seq = max(self.seq, memo.seq)
-        limit, budget = Job.objects.filter(pk=self.claimed.id).values_list(
-            "turn_limit", "budget").first() or (None, None)
+        limit, budget, self.priority = Job.objects.filter(pk=self.claimed.id).values_list(
+            "turn_limit", "budget", "priority").first() or (None, None, 0)
         if limit is not None:
             self.turn_limit = limit
         if budget is not None:
@@ -382,7 +383,7 @@ class AgentContext:
             reply = paced(model, messages, specs or None, params,
                           lambda: model.complete(messages, tools=specs or None, **params),
                           job_id=run.claimed.id, lease_token=run.claimed.lease_token, key=key,
-                          release=run.seat.release)
+                          release=run.seat.release, priority=run.priority)
             if not isinstance(reply, ModelReply):
                 raise ModelReplyInvalid(f"the model adapter returned {type(reply).__name__},"
                                         " not a ModelReply", raw=repr(reply)[:2000])

@@ -29,6 +29,7 @@ FIELDS = {
     "tokens_per_minute": "input and output tokens the provider allows per minute",
     "concurrent": "calls in flight at once",
     "headroom": "the share of each rate kept unused, for the provider's clock and the network (0.03)",
+    "window": "seconds over which the provider counts its rates (60: a minute)",
     "default_max_tokens": "output tokens reserved for a call that sets no max_tokens (none, as OpenAI counts)",
 }
 RATES = ("requests_per_minute", "tokens_per_minute")
@@ -58,6 +59,13 @@ class LimitSpec:
     concurrent: int | None = None
     headroom: float = DEFAULT_HEADROOM
     default_max_tokens: int = DEFAULT_MAX_TOKENS
+    window: float = 60.0
+
+    def late_allowed(self):
+        """How late a call may still use its booked moment: the slack the headroom leaves in
+        the provider's window. A call sent later than its moment lands in a window with the
+        calls booked after it; up to this late, the window still holds no more than it allows."""
+        return self.headroom * self.window
 
     def covers(self, provider, model):
         if self.providers and provider not in self.providers:
@@ -127,7 +135,7 @@ def _spec(name, declared):
         raise LimitConfigError(f"LIMITS[{name!r}] limits nothing: declare requests_per_minute,"
                                " tokens_per_minute or concurrent")
     fields = {"name": name}
-    for key in RATES:
+    for key in (*RATES, "window"):
         if declared.get(key) is not None:
             fields[key] = _number(name, key, declared[key])
     for key in ("concurrent", "default_max_tokens"):

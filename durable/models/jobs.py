@@ -13,6 +13,8 @@ from django.db.models import F, Q
 from django.db.models.functions import Now
 from django.utils.translation import gettext_lazy as _
 
+from .priorities import MAX_PRIORITY, MIN_PRIORITY, ClaimOrder
+
 # The approvals' and schedules' rows live in their own modules; they are durable's models
 # like these.
 
@@ -45,6 +47,14 @@ class Job(models.Model):
     # NULL when no worker should look at the job (terminal, or waiting for a human or
     # the dispatcher); the claim query only reads rows where it is due.
     next_run_at = models.DateTimeField(_("next run at"), null=True, blank=True)
+    # Higher first, from MIN_PRIORITY to MAX_PRIORITY (Django's task priorities), set at submit.
+    priority = models.SmallIntegerField(_("priority"), default=0, db_default=0)
+    # How much earlier than next_run_at the claim counts the job due: its priority times
+    # DURABLE["PRIORITY_AGING"], fixed at submit, so that an index holds the claim's order
+    # (ClaimOrder) whatever the setting is later. A job of priority p is passed only by
+    # jobs of higher priority q that fell due less than (q - p) x aging seconds after it.
+    head_start = models.DurationField(_("head start"), default=datetime.timedelta(0),
+                                      db_default=datetime.timedelta(0))
     lease_until = models.DateTimeField(_("lease until"), null=True, blank=True)
     lease_owner = models.CharField(_("lease owner"), max_length=200, null=True, blank=True)  # noqa: DJ001 - NULL: no lease
     # Incremented by every claim; every write of a leased worker is fenced by it.
@@ -77,11 +87,20 @@ class Job(models.Model):
         verbose_name = _("job")
         verbose_name_plural = _("jobs")
         indexes = [
-            # The claim query: only rows a worker should look at are in this index,
-            # so claim time does not grow with finished jobs.
+            # Due times: only rows a worker should look at are in this index (and the
+            # next one), so "when is the next job due" and "what is due" do not grow
+            # with finished jobs.
             models.Index(
                 fields=["next_run_at"],
                 name="durable_job_claim",
+                condition=Q(next_run_at__isnull=False),
+            ),
+            # The claim: its order (ClaimOrder, then next_run_at, whose test against now
+            # is read from the index too), so the first due job is one probe, whatever
+            # the priorities.
+            models.Index(
+                ClaimOrder(), F("next_run_at"),
+                name="durable_job_claim_order",
                 condition=Q(next_run_at__isnull=False),
             ),
             # The console's "where is everything" and per-state filters; with
@@ -91,6 +110,10 @@ class Job(models.Model):
             # Leased jobs only (a handful, however many jobs there are): "what is stuck".
             models.Index(fields=["lease_until"], name="durable_job_leased",
                          condition=Q(lease_owner__isnull=False)),
+        ]
+        constraints = [
+            models.CheckConstraint(condition=Q(priority__gte=MIN_PRIORITY, priority__lte=MAX_PRIORITY),
+                                   name="durable_job_priority_range"),
         ]
         permissions = [
             ("view_payload", "Can see job payloads and outputs unredacted"),

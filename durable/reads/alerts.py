@@ -15,6 +15,7 @@ from ..core.states import StateKind
 from ..models import ApprovalStatus, Job, Outbox, Pause
 from ..store import locking
 from .failures import failed_jobs, failure_groups
+from .limits import paused_limits, waiting_reservations
 from .scopes import awaiting_decision, kind_of, scoped, state_pairs
 
 # Timers and waits on signals or children hold jobs by design until they are due.
@@ -139,6 +140,31 @@ def alerts(*, now=None, workflow=None, failures=None):
             "reconcile", {}, unknown,
         ))
     found += schedule_alerts(now, workflow=workflow)
+    found += limit_alerts(now)
+    return found
+
+
+def limit_alerts(now):
+    """A provider limit paused by a 429 now: every call under it waits until the pause ends.
+
+    Shown whatever the dashboard's scope: a limit is shared by every workflow's calls.
+    """
+    found = []
+    for limit in paused_limits(now):
+        until = limit.moment(limit.paused_until)
+        waiting = waiting_reservations().filter(limit=limit.name).values("job_id").distinct().count()
+        said = f" The provider said: {limit.refusal}" if limit.refusal else ""
+        found.append(Alert(
+            "limit_paused", "warning",
+            f"Limit {limit.name} is paused by the provider's 429 until {until:%H:%M:%S} UTC",
+            f"No call under it goes for {formats.age((until - now).total_seconds())}"
+            f" ({until:%Y-%m-%d %H:%M:%S} UTC); {waiting} run{'s' if waiting != 1 else ''} wait"
+            f"{'s' if waiting == 1 else ''} on it.{said}",
+            "Nothing, if it is rare: calls go again when the pause ends. If 429s keep coming, "
+            "declare the limit lower than the provider's (requests_per_minute, tokens_per_minute); "
+            "the limits page can lift the pause now.",
+            "limits", {"name": limit.name}, 1,
+        ))
     return found
 
 

@@ -25,7 +25,8 @@ from django.db.models import Exists, F, JSONField, Min, OuterRef, Q, Value
 from django.db.models.functions import Greatest, Now, TruncMinute
 
 from ..models import EventKind, Job, JobEvent, Outbox, OutboxStatus, Pause, StepResult
-from .records import ACTION_COLUMNS, JOBS_CHANNEL, NO_STARTS, Claimed, ClaimedAction, aware
+from ..models.priorities import ClaimOrder
+from .records import ACTION_COLUMNS, JOBS_CHANNEL, NO_HEAD_START, NO_STARTS, Claimed, ClaimedAction, aware
 
 
 def connected(alias=DEFAULT_DB_ALIAS):
@@ -96,7 +97,10 @@ class Database:
     # Jobs ---------------------------------------------------------------------------------
 
     def claim_job(self, owner, lease_seconds, workflows=None, queues=None, starts=None, stopping=None):
-        """Take the lease of the oldest due job and start its step, or return None."""
+        """Take the lease of the first due job in the claim's order and start its step, or return None.
+
+        The order is ``ClaimOrder`` (the due time less the job's head start), then the due time.
+        """
         with transaction.atomic():
             if stopping is not None and stopping():
                 return None
@@ -110,7 +114,7 @@ class Database:
         if queues:
             due = due.filter(queue__in=list(queues))
         # Locked until the transaction ends; concurrent claimers pass over it where they can.
-        picked = _skip_locked(due.order_by("next_run_at")).values_list(
+        picked = _skip_locked(due.order_by(ClaimOrder(), "next_run_at")).values_list(
             "id", "lease_owner", "workflow", "state").first()
         if picked is None:
             return None
@@ -134,7 +138,7 @@ class Database:
         return Claimed.of_row(row, owner, previous_owner=previous_owner, started_step=started_step)
 
     def insert_job(self, *, key, workflow, version, queue, state, payload_json, run_after, submitted_by,
-                   message):
+                   message, priority=0, head_start=NO_HEAD_START):
         """Insert a job with its "submitted" event: (created, updated, next_run_at), or None if it exists."""
         with transaction.atomic():
             try:
@@ -145,7 +149,7 @@ class Database:
                         payload=json.loads(payload_json), result=None, attempts=0,
                         next_run_at=Now() if run_after is None else run_after, lease_until=None,
                         lease_owner=None, lease_token=0, wake_at=None, last_error="",
-                        submitted_by=submitted_by, created=Now())
+                        submitted_by=submitted_by, created=Now(), priority=priority, head_start=head_start)
             except IntegrityError:
                 if Job.objects.filter(pk=key).exists():
                     return None

@@ -31,11 +31,12 @@ from ..core import limits as rules
 from ..models import Job, Limit, Reservation, ReservationState
 from . import database
 
-# A booked moment this late is still used; one later passed unused (the run was away:
-# killed, drained, or claimed late on a busy machine) and the call books a new one. Sent
-# late, it would go out together with the calls booked after it, and a provider counts
-# its window by arrivals.
-STALE_SECONDS = 0.25
+# A booked moment missed by more than its limit allows (``LimitSpec.late_allowed``: the
+# slack its headroom leaves in the provider's window) passed unused: the run was away
+# (killed, drained, or claimed late on a busy machine) and the call books a new one.
+# Sent that late, it would go out together with the calls booked after it, and a
+# provider counts its window by arrivals.
+
 # Seconds a run waits for a concurrent slot before it looks again, if no slot given back
 # wakes it first.
 QUEUED_RECHECK = 5.0
@@ -144,15 +145,16 @@ def _free_slots(spec, now):
     return spec.concurrent - calling.count()
 
 
-def _usable(held, now):
+def _usable(held, now, spec):
     """The run's reservation of a call if it can still use it; else it is given back (None)."""
     if held is None:
         return None
-    # Taken by an earlier attempt (under an older lease) that never settled; or a moment
-    # that passed while the run was away (killed, drained): neither is the call's now.
-    gone = held.state == ReservationState.CALLING or (
+    # A limit no longer declared; a call taken by an earlier attempt (under an older lease)
+    # that never settled; a moment that passed while the run was away (killed, drained):
+    # none of them is the call's now.
+    gone = spec is None or held.state == ReservationState.CALLING or (
         held.state == ReservationState.BOOKED and held.starts_at is not None
-        and (now - held.starts_at).total_seconds() > STALE_SECONDS)
+        and (now - held.starts_at).total_seconds() > spec.late_allowed())
     if not gone:
         return held
     Reservation.objects.filter(pk=held.pk).update(state=ReservationState.RELEASED, settled_at=now)
@@ -217,7 +219,9 @@ def _reserve(specs, job_id, lease_token, key, estimate, max_tokens, priority, so
         job_id=job_id, key=key, state__in=[*ReservationState.waiting(), ReservationState.CALLING],
     ).annotate(db_now=Now())}
     now = next(iter(mine.values())).db_now if mine else None
-    mine = {name: held for name, held in ((n, _usable(h, now)) for n, h in mine.items()) if held is not None}
+    by_name = {spec.name: spec for spec in specs}
+    mine = {name: held for name, held in ((n, _usable(h, now, by_name.get(n))) for n, h in mine.items())
+            if held is not None}
     if any(spec.concurrent for spec in specs) and now is None:
         now = database.current().now()
     full, queued = _slot_of(specs, mine, job_id, key, estimate, lease_token, priority, now)
@@ -331,7 +335,9 @@ def release(ids, specs):
 
 def wake_queued(name):
     """Make the job that queued longest for a slot of limit ``name`` due now (highest priority first)."""
-    head = (Reservation.objects.filter(limit=name, state=ReservationState.QUEUED)
+    # Only a run still waiting: a job cancelled or finished meanwhile keeps its row but no turn.
+    head = (Reservation.objects.filter(limit=name, state=ReservationState.QUEUED, job__lease_owner__isnull=True,
+                                       job__next_run_at__isnull=False)
             .order_by("-priority", "created", "pk").values_list("job_id", flat=True).first())
     if head is not None:
         Job.objects.filter(pk=head, lease_owner__isnull=True, next_run_at__isnull=False).update(

@@ -32,7 +32,7 @@ from ..core.states import SETTLED_KINDS
 from ..exceptions import IllegalTransition
 from ..models import EventKind, Job, JobEvent
 from . import database, moves
-from .records import JOBS_CHANNEL, OUTBOX_CHANNEL, Claimed, MemoCommit, Starts, StepCommit
+from .records import JOBS_CHANNEL, NO_HEAD_START, OUTBOX_CHANNEL, Claimed, MemoCommit, Starts, StepCommit
 from .wakeups import wake_parent
 
 
@@ -59,10 +59,13 @@ def db_now():
 
 
 def claim_job(owner, lease_seconds, workflows=None, queues=None, starts=None, stopping=None):
-    """Take the lease of the oldest due job and start its step, or return None.
+    """Take the lease of the first due job in the claim's order and start its step, or return None.
 
-    One statement on PostgreSQL (SKIP LOCKED: workers pass over each other's candidates);
-    select then update in one IMMEDIATE transaction on SQLite (it holds the write lock).
+    The order is the due time less the job's head start (its priority x PRIORITY_AGING,
+    ``models.priorities.ClaimOrder``), then the due time: with every priority 0, the
+    oldest due job first. One statement on PostgreSQL (SKIP LOCKED: workers pass over
+    each other's candidates); select then update in one IMMEDIATE transaction on SQLite
+    (it holds the write lock).
     A job whose lease expired is simply due again: reclaiming a dead worker's job is the
     normal claim. ``starts`` says which states the claim moves to their step's working
     state, with an event; ``Claimed.started_step`` is then the step started, else None.
@@ -119,17 +122,20 @@ def park_job(claimed, *, actor="", error=None):
 # Jobs: submitting ------------------------------------------------------------------------
 
 
-def insert_job(*, key, workflow, version, queue, state, payload_json, run_after, submitted_by, message):
+def insert_job(*, key, workflow, version, queue, state, payload_json, run_after, submitted_by, message,
+               priority=0, head_start=NO_HEAD_START):
     """Insert a new job with its "submitted" event and wake idle workers: one statement.
 
     Returns (created, updated, next_run_at) from the database clock, or None when a job
     with this key exists already (nothing is written then). On PostgreSQL the NOTIFY
     is part of the statement, so it is delivered exactly when the job commits; outside
     a transaction the statement commits itself (one round trip for a submit).
+    ``priority`` and ``head_start`` are checked and worked out by ``submission.submit``.
     """
     return database.current().insert_job(
         key=key, workflow=workflow, version=version, queue=queue, state=state, payload_json=payload_json,
-        run_after=run_after, submitted_by=submitted_by, message=message)
+        run_after=run_after, submitted_by=submitted_by, message=message, priority=priority,
+        head_start=head_start)
 
 
 # Jobs: leases and moves ------------------------------------------------------------------

@@ -11,7 +11,7 @@ braces (``{filters}``) is filled with SQL built from the fragments here, never w
 NOTIFY wakes idle processes that LISTEN (``notifies``).
 
 Each statement is a constant with a one-line comment above it (procrastinate's
-``queries.sql`` is the model).
+``queries.sql`` is the model); the outbox's are in ``postgres_actions``.
 """
 
 import json
@@ -20,8 +20,19 @@ from django.db import connection, transaction
 
 from ..conf import durable_settings
 from ..models import Job
+from ..models.priorities import claim_order_sql
 from .base import Database, connected
-from .records import JOB_COLUMNS, JOBS_CHANNEL, MICROSECOND, NO_STARTS, Claimed, ClaimedAction
+from .postgres_actions import CLAIM_ACTIONS, MARK_ATTEMPTED, RECORD_SUCCESS
+from .records import (
+    JOB_COLUMNS,
+    JOBS_CHANNEL,
+    MICROSECOND,
+    NO_HEAD_START,
+    NO_STARTS,
+    Claimed,
+    ClaimedAction,
+    claim_reach,
+)
 
 # The clock -----------------------------------------------------------------------------------
 
@@ -49,17 +60,25 @@ FILTER = " AND {column} = ANY(%({column}s)s)"
 
 # Jobs: claiming ------------------------------------------------------------------------------
 
-# Lease the oldest due job of an unpaused workflow and start its step (records.Starts), with
-# the CLAIMED event: one statement. SKIP LOCKED lets concurrent workers pass over each
-# other's candidates; next_run_at moves to the lease's end, so a dead worker's job is due
-# again exactly when its lease expires.
-CLAIM_JOB = """
+# The claim's order, as the index durable_job_claim_order holds it (models.priorities.ClaimOrder).
+CLAIM_ORDER = claim_order_sql("postgresql")
+
+# Lease the first due job of an unpaused workflow in the claim's order and start its step
+# (records.Starts), with the CLAIMED event: one statement. The order is read from its index as
+# a range that ends %(reach)s seconds past now (records.claim_reach), not to the index's end
+# when nothing is due. The pause is tested by a hashed NOT IN (its key is never NULL), not an
+# anti-join, which a guess about the pause table (small, so never analyzed) would make the
+# planner follow with a sort of every due job. SKIP LOCKED lets concurrent workers pass over
+# each other's candidates; next_run_at moves to the lease's end, so a dead worker's job is
+# due again exactly when its lease expires.
+CLAIM_JOB = f"""
 WITH candidate AS (
     SELECT id, lease_owner AS previous_owner, workflow, state
     FROM durable_job
-    WHERE next_run_at <= statement_timestamp() {filters}
-      AND NOT EXISTS (SELECT 1 FROM durable_pause p WHERE p.workflow = durable_job.workflow)
-    ORDER BY next_run_at
+    WHERE {CLAIM_ORDER} <= (statement_timestamp() AT TIME ZONE 'UTC') + %(reach)s * interval '1 second'
+      AND next_run_at <= statement_timestamp() {{filters}}
+      AND workflow NOT IN (SELECT workflow FROM durable_pause)
+    ORDER BY {CLAIM_ORDER}, next_run_at
     LIMIT 1
     FOR UPDATE SKIP LOCKED
 ), taken AS (
@@ -103,10 +122,10 @@ INSERT_JOB = f"""
 WITH job AS (
     INSERT INTO durable_job (id, workflow, workflow_version, queue, state, payload, result, attempts,
                              next_run_at, lease_until, lease_owner, lease_token, wake_at, last_error,
-                             submitted_by, created, updated)
+                             submitted_by, created, updated, priority, head_start)
     VALUES (%(id)s, %(workflow)s, %(version)s, %(queue)s, %(state)s, %(payload)s::jsonb, NULL, 0,
             COALESCE(%(run_after)s::timestamptz, statement_timestamp()), NULL, NULL, 0, NULL, '',
-            %(by)s, statement_timestamp(), statement_timestamp())
+            %(by)s, statement_timestamp(), statement_timestamp(), %(priority)s, %(head_start)s::interval)
     ON CONFLICT (id) DO NOTHING
     RETURNING id, created, updated, next_run_at
 ), submitted AS (
@@ -247,122 +266,6 @@ RETURNING j.id
 """
 
 
-# Outbox rows: claiming -----------------------------------------------------------------------
-
-# Lease up to %(limit)s due outbox rows whose job's workflow is not paused, oldest first,
-# at most the room given per destination (%(names)s/%(rooms)s; any other: %(room)s) and none
-# of the %(full)s ones. SKIP LOCKED lets several dispatchers claim different rows at once;
-# next_attempt_at moves to the lease's end, so a dispatcher that dies leaves the row due
-# again exactly when its lease expires.
-CLAIM_ACTIONS = """
-WITH candidate AS (
-    SELECT o.id, o.destination, o.next_attempt_at, o.lease_owner AS previous_owner, j.workflow,
-           j.parent_id
-    FROM durable_outbox o JOIN durable_job j ON j.id = o.job_id
-    WHERE o.next_attempt_at <= statement_timestamp()
-      AND o.destination <> ALL(%(full)s::text[])
-      AND NOT EXISTS (SELECT 1 FROM durable_pause p WHERE p.workflow = j.workflow)
-    ORDER BY o.next_attempt_at
-    LIMIT %(limit)s
-    FOR UPDATE OF o SKIP LOCKED
-), chosen AS (
-    SELECT c.id, c.previous_owner, c.workflow, c.parent_id
-    FROM (SELECT candidate.*, row_number() OVER (PARTITION BY destination
-                                                  ORDER BY next_attempt_at, id) AS n
-          FROM candidate) c
-    LEFT JOIN unnest(%(names)s::text[], %(rooms)s::int[]) AS r(destination, room)
-           ON r.destination = c.destination
-    WHERE c.n <= COALESCE(r.room, %(room)s)
-)
-UPDATE durable_outbox AS o
-SET lease_owner = %(owner)s,
-    lease_token = o.lease_token + 1,
-    lease_until = statement_timestamp() + %(lease)s * interval '1 second',
-    next_attempt_at = statement_timestamp() + %(lease)s * interval '1 second',
-    updated = statement_timestamp()
-FROM chosen
-WHERE o.id = chosen.id
-RETURNING o.id, o.job_id, o.kind, o.destination, o.operation, o.payload::text,
-          o.idempotency_key, o.status, o.attempts, o.lookups, o.lease_token, o.version,
-          o.last_error, o.step_key, o.step_cost, o.step_duration, o.step_attempt,
-          chosen.previous_owner,
-          chosen.workflow, chosen.parent_id
-"""
-
-
-# Outbox rows: the two writes around a send ---------------------------------------------------
-
-# Mark a claimed row attempted before it is sent, renewing its lease for the send, with its
-# event: fenced by the claim's token and the status it had, and by the job's state (locked,
-# so an operator's cancel cannot interleave). One statement; the job's state comes back
-# whether or not the row was marked.
-MARK_ATTEMPTED = """
-WITH job AS (
-    SELECT id, state FROM durable_job WHERE id = %(job)s FOR UPDATE
-), marked AS (
-    UPDATE durable_outbox AS o
-    SET status = 'attempted', attempts = o.attempts + 1, sent_at = statement_timestamp(),
-        version = o.version + 1, updated = statement_timestamp(),
-        lease_until = statement_timestamp() + %(lease)s * interval '1 second',
-        next_attempt_at = statement_timestamp() + %(lease)s * interval '1 second'
-    FROM job
-    WHERE o.id = %(id)s AND o.lease_token = %(token)s AND o.status = %(previous)s
-      AND job.state = ANY(%(states)s::text[])
-    RETURNING o.attempts, job.state
-), event AS (
-    INSERT INTO durable_jobevent (job_id, at, kind, from_state, to_state, step, actor, message, data)
-    SELECT %(job)s, statement_timestamp(), 'action', state, state, %(step)s, %(actor)s,
-           'attempt ' || attempts || %(message)s,
-           jsonb_build_object('action', %(id)s::bigint, 'key', %(key)s::text, 'attempt', attempts,
-                              'phase', 'attempted')
-    FROM marked
-)
-SELECT (SELECT state FROM job), (SELECT attempts FROM marked)
-"""
-
-# Record a confirmed action and complete its step: the row succeeded (its lease ended), the
-# job moved to the step's done state (its result written when that is terminal) with its
-# event and the step's memo (one per step: a memo written earlier stands), idle workers
-# woken when the job goes on. Fenced by the claim's token and by the job's state (locked);
-# nothing is written when either fails. One statement; the job's state comes back.
-RECORD_SUCCESS = f"""
-WITH job AS (
-    SELECT id, state FROM durable_job WHERE id = %(job)s FOR UPDATE
-), settled AS (
-    UPDATE durable_outbox AS o
-    SET status = 'succeeded', remote_id = %(remote_id)s, response_summary = %(summary)s,
-        last_error = '', version = o.version + 1, updated = statement_timestamp(),
-        next_attempt_at = NULL, lease_until = NULL, lease_owner = NULL
-    FROM job
-    WHERE o.id = %(id)s AND o.lease_token = %(token)s AND job.state = ANY(%(states)s::text[])
-    RETURNING job.state AS frm
-), moved AS (
-    UPDATE durable_job AS j
-    SET state = %(to)s, updated = statement_timestamp(), attempts = 0, lease_until = NULL,
-        lease_owner = NULL, wake_at = NULL, last_error = '',
-        next_run_at = CASE WHEN %(terminal)s THEN NULL ELSE statement_timestamp() END,
-        result = CASE WHEN %(terminal)s THEN %(memo)s::jsonb ELSE j.result END
-    FROM settled
-    WHERE j.id = %(job)s AND j.state = settled.frm
-    RETURNING settled.frm
-), event AS (
-    INSERT INTO durable_jobevent (job_id, at, kind, from_state, to_state, step, actor, message, data)
-    SELECT %(job)s, statement_timestamp(), 'step_done', frm, %(to)s, %(step)s, %(actor)s,
-           %(message)s, %(data)s::jsonb
-    FROM moved
-), memo AS (
-    INSERT INTO durable_stepresult (job_id, step, output, cost, duration, attempt, workflow, at)
-    SELECT %(job)s, %(step)s, %(memo)s::jsonb, %(cost)s, %(micros)s * interval '1 microsecond',
-           %(attempt)s, %(workflow)s, statement_timestamp()
-    FROM moved
-    ON CONFLICT DO NOTHING
-), woken AS (
-    SELECT pg_notify('{JOBS_CHANNEL}', %(workflow)s) FROM moved WHERE NOT %(terminal)s
-)
-SELECT (SELECT state FROM job), (SELECT count(*) FROM moved), (SELECT count(*) FROM woken)
-"""
-
-
 def _raw(db):
     """Django's psycopg connection, set so that ``prepare=True`` prepares.
 
@@ -426,7 +329,8 @@ class PostgresStore(Database):
 
     def claim_statement(self, owner, lease_seconds, workflows, queues, starts):
         """The claim's text and parameters (``bench`` explains it)."""
-        params = {"owner": owner, "lease": float(lease_seconds), **(starts or NO_STARTS).arrays}
+        params = {"owner": owner, "lease": float(lease_seconds), "reach": claim_reach(),
+                  **(starts or NO_STARTS).arrays}
         return CLAIM_JOB.format(filters=_filters(workflows, queues, params)), params
 
     def _claimed(self, cursor, owner):
@@ -436,13 +340,13 @@ class PostgresStore(Database):
         return Claimed.of_row(row, owner, previous_owner=row[8], started_step=row[9])
 
     def insert_job(self, *, key, workflow, version, queue, state, payload_json, run_after, submitted_by,
-                   message):
+                   message, priority=0, head_start=NO_HEAD_START):
         """One statement, its NOTIFY delivered exactly when the job commits."""
         db = connected()
         row = self.execute(INSERT_JOB, {
             "id": key, "workflow": workflow, "version": version, "queue": queue, "state": state,
             "payload": payload_json, "run_after": db.ops.adapt_datetimefield_value(run_after),
-            "by": submitted_by, "message": message,
+            "by": submitted_by, "message": message, "priority": priority, "head_start": head_start,
         }, db).fetchone()
         return None if row is None else row[:3]
 

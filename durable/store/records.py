@@ -3,18 +3,23 @@
 A claim hands back a ``Claimed`` job or ``ClaimedAction`` rows; a step's commit takes a
 ``StepCommit``, an agent call's a ``MemoCommit``, a confirmed action's a ``Success``.
 Every database class (``durable.store.base.Database`` and its subclasses) builds and
-reads these same shapes, so a caller never learns which one ran.
+reads these same shapes, so a caller never learns which one ran. A submit takes a job's
+head start and a claim its reach, both from ``DURABLE["PRIORITY_AGING"]``.
 """
 
 import dataclasses
 import datetime
 import json
+import math
 from decimal import Decimal
 
+from django.core.exceptions import ImproperlyConfigured
 from django.utils.dateparse import parse_datetime
 
+from ..conf import durable_settings
 from ..core.states import RESUMING_KINDS, WOKEN, StateKind
 from ..models import EventKind
+from ..models.priorities import MIN_PRIORITY
 
 # NOTIFY channel of idle workers (on a database that notifies); its payload is the workflow.
 JOBS_CHANNEL = "durable_jobs"
@@ -22,6 +27,47 @@ JOBS_CHANNEL = "durable_jobs"
 OUTBOX_CHANNEL = "durable_outbox"
 
 MICROSECOND = datetime.timedelta(microseconds=1)
+# A job of priority 0: the claim counts it due when it is due (``Job.head_start``).
+NO_HEAD_START = datetime.timedelta(0)
+# The most PRIORITY_AGING may be (seconds per priority step): at a day per step a priority
+# already outweighs a hundred days of waiting, and far larger head starts would overflow
+# the interval PostgreSQL stores and the moments the claim orders by.
+MAX_PRIORITY_AGING = 86400.0
+
+
+# Priorities ---------------------------------------------------------------------------------
+
+
+def priority_aging():
+    """``DURABLE["PRIORITY_AGING"]`` in seconds; ImproperlyConfigured, naming it, unless from 0 to a day."""
+    value = durable_settings.PRIORITY_AGING
+    if (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)
+            or not 0 <= value <= MAX_PRIORITY_AGING):
+        raise ImproperlyConfigured(
+            f"DURABLE['PRIORITY_AGING'] must be a number of seconds per priority step from 0 to"
+            f" {MAX_PRIORITY_AGING:g}; got {value!r}."
+        )
+    return float(value)
+
+
+def head_start(priority):
+    """How much earlier than it falls due the claim counts a job of ``priority`` due (later, below 0).
+
+    Fixed when the job is submitted (``Job.head_start``): the claim's index holds the
+    order it makes, so a change of the setting applies to the jobs submitted after it.
+    """
+    return datetime.timedelta(seconds=priority * priority_aging())
+
+
+def claim_reach():
+    """Seconds past now that the claim reads its order to: the most a job can be counted late.
+
+    A due job of the lowest priority is counted ``-MIN_PRIORITY x aging`` late, so every
+    due job is within this reach, and the claim's index is read as a range that ends
+    there, not to its end when nothing is due. A job submitted under a larger aging than
+    today's comes within reach that much later (a bounded delay, never a lost job).
+    """
+    return -MIN_PRIORITY * priority_aging()
 
 
 def aware(value):

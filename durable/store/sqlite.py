@@ -21,8 +21,9 @@ from django.db import connection
 from django.db.models import CharField, F, Func, Q, Value
 
 from ..models import EventKind
+from ..models.priorities import claim_order_sql
 from .base import Database, connected
-from .records import MICROSECOND, NO_STARTS, Claimed, ClaimedAction, aware
+from .records import MICROSECOND, NO_HEAD_START, NO_STARTS, Claimed, ClaimedAction, aware, claim_reach
 
 # The clock -----------------------------------------------------------------------------------
 
@@ -58,13 +59,19 @@ FILTER = " AND {column} IN ({marks})"
 
 # Jobs: claiming ------------------------------------------------------------------------------
 
-# The oldest due job of an unpaused workflow (the claim's first half; TAKE_JOB follows
-# in the same IMMEDIATE transaction, which holds the write lock, so nothing races between).
+# The claim's order, as the index durable_job_claim_order holds it (models.priorities.ClaimOrder).
+CLAIM_ORDER = claim_order_sql("sqlite")
+
+# The first due job of an unpaused workflow in the claim's order, read from its index as a
+# range that ends ? seconds past now (records.claim_reach): the claim's first half. TAKE_JOB
+# follows in the same IMMEDIATE transaction, which holds the write lock, so nothing races
+# between. 'now' is one moment in a statement, in julianday() as in NOW.
 PICK_JOB = f"""
 SELECT id, lease_owner, workflow, state FROM durable_job
-WHERE next_run_at <= {NOW} {{filters}}
+WHERE {CLAIM_ORDER} <= julianday('now') + ? / 86400.0
+  AND next_run_at <= {NOW} {{filters}}
   AND NOT EXISTS (SELECT 1 FROM durable_pause p WHERE p.workflow = durable_job.workflow)
-ORDER BY next_run_at
+ORDER BY {CLAIM_ORDER}, next_run_at
 LIMIT 1
 """
 
@@ -93,13 +100,13 @@ EVENT = (
 # Jobs: submitting ----------------------------------------------------------------------------
 
 # Insert a job (its event is SUBMITTED_EVENT, in the same transaction); no row when it
-# exists.
+# exists. The head start in microseconds, as Django stores a DurationField on SQLite.
 INSERT_JOB = f"""
 INSERT INTO durable_job (id, workflow, workflow_version, queue, state, payload, result, attempts,
                          next_run_at, lease_until, lease_owner, lease_token, wake_at, last_error,
-                         submitted_by, created, updated)
+                         submitted_by, created, updated, priority, head_start)
 VALUES (?, ?, ?, ?, ?, ?, NULL, 0, coalesce(?, {NOW}), NULL, NULL, 0, NULL, '', ?,
-        {NOW}, {NOW})
+        {NOW}, {NOW}, ?, ?)
 ON CONFLICT (id) DO NOTHING
 RETURNING created, updated, next_run_at
 """
@@ -366,7 +373,7 @@ class SqliteStore(Database):
                               self._claim_in(db, owner, lease_seconds, workflows, queues, starts), connected())
 
     def _claim_in(self, db, owner, lease_seconds, workflows, queues, starts):
-        params = []
+        params = [claim_reach()]
         picked = self.execute(PICK_JOB.format(filters=_filters(workflows, queues, params)), params,
                               db).fetchone()
         if picked is None:
@@ -384,14 +391,14 @@ class SqliteStore(Database):
         return Claimed.of_row(row, owner, previous_owner=previous_owner, started_step=started_step)
 
     def insert_job(self, *, key, workflow, version, queue, state, payload_json, run_after, submitted_by,
-                   message):
+                   message, priority=0, head_start=NO_HEAD_START):
         """The insert and its event in one IMMEDIATE transaction."""
         db = connected()
         run_after = db.ops.adapt_datetimefield_value(run_after)
 
         def write(db):
             row = self.execute(INSERT_JOB, (key, workflow, version, queue, state, payload_json, run_after,
-                                            submitted_by), db).fetchone()
+                                            submitted_by, priority, head_start // MICROSECOND), db).fetchone()
             if row is None:
                 return None
             self.execute(SUBMITTED_EVENT, (message, key), db)

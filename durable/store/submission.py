@@ -1,4 +1,4 @@
-"""Submitting a job: the key and payload rules, and the idempotent insert.
+"""Submitting a job: the key, payload and priority rules, and the idempotent insert.
 
 ``durable.submit`` and ``durable.services.submit`` are this ``submit``; the task backend,
 the schedules and ``ctx.spawn`` submit through it too, and the inbox refuses a signal's
@@ -16,7 +16,9 @@ from ..core import identity
 from ..core.workflows import registry
 from ..exceptions import IdempotencyConflict, PayloadInvalid
 from ..models import Job
+from ..models.priorities import MAX_PRIORITY, MIN_PRIORITY
 from . import locking
+from .records import head_start
 
 
 def normalise_payload(payload, as_json=False):
@@ -49,12 +51,21 @@ def normalise_payload(payload, as_json=False):
     return text if as_json else json.loads(text)
 
 
-def submit(workflow, key, payload, *, run_after=None, queue="default", submitted_by=""):
+def check_priority(priority):
+    """PayloadInvalid unless ``priority`` is a whole number from -100 to 100 (Django's task priorities)."""
+    if isinstance(priority, bool) or not isinstance(priority, int) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        raise PayloadInvalid(f"The priority must be a whole number from {MIN_PRIORITY} to {MAX_PRIORITY}"
+                             f" (higher runs first), not {priority!r}")
+
+
+def submit(workflow, key, payload, *, run_after=None, queue="default", submitted_by="", priority=0):
     """Create the job ``key`` of ``workflow``, or return the existing identical one.
 
-    Idempotent: the same key with the same workflow and payload returns the existing
-    job; with another workflow or payload it raises IdempotencyConflict and writes
-    nothing. Joins the caller's transaction: the job exists if and only if it commits.
+    Idempotent: the same key with the same workflow, payload and priority returns the
+    existing job; with another workflow, payload or priority it raises
+    IdempotencyConflict and writes nothing. Joins the caller's transaction: the job
+    exists if and only if it commits. ``priority`` (-100 to 100, higher first) orders
+    the claim, aged by ``DURABLE["PRIORITY_AGING"]`` (see ``head_start``).
     """
     definition = registry.get(workflow)
     if not isinstance(key, str) or not key or len(key) > 255:
@@ -63,7 +74,9 @@ def submit(workflow, key, payload, *, run_after=None, queue="default", submitted
         raise PayloadInvalid("The key contains a NUL character or a lone surrogate")
     if not isinstance(queue, str) or not queue or len(queue) > Job._meta.get_field("queue").max_length:
         raise PayloadInvalid("The queue must be a non-empty string of at most 100 characters")
+    check_priority(priority)
     payload_json = normalise_payload(payload, as_json=True)
+    lead = head_start(priority)
     state, by = definition.table.initial, str(submitted_by or "")
     # One statement of its own; inside a caller's transaction, a savepoint, so that a
     # refused insert leaves that transaction usable.
@@ -71,7 +84,7 @@ def submit(workflow, key, payload, *, run_after=None, queue="default", submitted
         stamps = locking.insert_job(
             key=key, workflow=definition.name, version=definition.version, queue=queue, state=state,
             payload_json=payload_json, run_after=run_after, submitted_by=by,
-            message=f"{definition.name} v{definition.version}",
+            message=f"{definition.name} v{definition.version}", priority=priority, head_start=lead,
         )
     payload = json.loads(payload_json)
     if stamps is None:
@@ -79,15 +92,19 @@ def submit(workflow, key, payload, *, run_after=None, queue="default", submitted
         if existing is None:
             # Deleted (purged) between the insert and this read: a rare race, said plainly.
             raise IdempotencyConflict(f"Job {key!r} was being replaced while it was submitted; submit again")
-        if existing.workflow != definition.name or not identity.same_json(existing.payload, payload):
+        differs = ("workflow" if existing.workflow != definition.name
+                   else "payload" if not identity.same_json(existing.payload, payload)
+                   else f"priority: it has {existing.priority}, this submit {priority}"
+                   if existing.priority != priority
+                   else None)
+        if differs:
             raise IdempotencyConflict(
-                f"Job {key!r} already exists for workflow {existing.workflow!r} with a different"
-                f" {'workflow' if existing.workflow != definition.name else 'payload'}"
+                f"Job {key!r} already exists for workflow {existing.workflow!r} with a different {differs}"
             ) from None
         return existing
     created, updated, next_run_at = stamps
     job = Job(id=key, workflow=definition.name, workflow_version=definition.version, queue=queue,
               state=state, payload=payload, submitted_by=by, created=created, updated=updated,
-              next_run_at=next_run_at)
+              next_run_at=next_run_at, priority=priority, head_start=lead)
     job._state.adding, job._state.db = False, connection.alias
     return job

@@ -424,9 +424,9 @@ if FRAMEWORK is not None:
         supports_defer = True
         supports_async_task = True
         supports_get_result = True
-        # Workers claim by due time; an order by priority is not offered rather than
-        # approximated.
-        supports_priority = False
+        # A task's priority is its job's (Job.priority): higher first, aged by
+        # DURABLE["PRIORITY_AGING"] so that no priority waits forever.
+        supports_priority = True
 
         def __init__(self, alias, params):
             super().__init__(alias, params)
@@ -469,17 +469,21 @@ if FRAMEWORK is not None:
                        "backend": self.alias, "queue_name": task.queue_name}
             if task.run_after is not None:
                 payload["run_after"] = task.run_after.isoformat()
+            # The framework lets a whole float through (5.0); a job's priority is an int.
+            priority = int(task.priority)
             existed = key is not None and Job.objects.filter(pk=key).exists()
             try:
                 job = submit(
                     WORKFLOW, key or uuid.uuid4().hex, payload, run_after=task.run_after,
-                    queue=task.queue_name,
+                    queue=task.queue_name, priority=priority,
                 )
             except IdempotencyConflict:
                 # The same task and arguments enqueued again for another time: the key
-                # names the first one, which keeps its run_after.
+                # names the first one, which keeps its run_after. Another priority is
+                # refused, as submit refuses it.
                 job = Job.objects.filter(pk=key).first()
-                if job is None or _without_run_after(job.payload) != _without_run_after(payload):
+                if (job is None or job.priority != priority
+                        or _without_run_after(job.payload) != _without_run_after(payload)):
                     raise
                 existed = True
             if existed:

@@ -5,7 +5,7 @@ The package follows ``django.contrib.admin.views``: one module per page family, 
 ``admin.py`` uses the entry points here and nothing else:
 
 - ``console_urls(site)``: the site-level pages (dashboard, reconciliation, costs,
-  approvals, schedules, pause), added to a site by ``durable.admin.install_console``;
+  approvals, schedules, workers, limits, pause), added to a site by ``durable.admin.install_console``;
 - ``job_urls(model_admin)``: the job verbs, bulk verbs and replay, for ``JobAdmin.get_urls``;
 - ``job_page(model_admin)``: the job page, for ``JobAdmin.change_view``;
 - ``confirm_selected(...)``: the confirmation page of an admin action on ticked jobs;
@@ -24,7 +24,7 @@ call to a verb in ``durable.services``, ``durable.actions.reconcile`` or ``durab
 from django.contrib.admin.utils import unquote
 from django.urls import path
 
-from . import answers, approvals, bulk, costs, dashboard, jobs, reconcile, schedules, workers
+from . import answers, approvals, bulk, costs, dashboard, jobs, limits, reconcile, schedules, workers
 from .base import JOB_KINDS, admin_url, chrome, console_nav, job_url, page, serve, show_json, url_or_blank
 
 __all__ = ["JOB_KINDS", "confirm_selected", "console_nav", "console_urls", "job_list_context",
@@ -59,6 +59,11 @@ def console_urls(admin_site):
              name="durable_approvals"),
         path("durable/workers/", page(admin_site, workers.workers, "GET", "HEAD"),
              name="durable_workers"),
+        path("durable/limits/", page(admin_site, limits.limits, "GET", "HEAD"), name="durable_limits"),
+        path("durable/limits/unpause/",
+             page(admin_site, limits.unpause, "POST",
+                  back=lambda site, **_: (url_or_blank(site, "durable_limits"), "Limits")),
+             name="durable_limit_unpause"),
         path("durable/approvals/<int:pk>/", page(admin_site, approvals.detail, "GET", "HEAD", "POST"),
              name="durable_approval"),
     ]

@@ -247,6 +247,7 @@ TABS = (
     Tab("costs", "Cost report", ("durable_costs",)),
     Tab("schedules", "Schedules", ("durable_schedules",)),
     Tab("workers", "Workers", ("durable_workers",)),
+    Tab("limits", "Limits", ("durable_limits",)),
 )
 
 

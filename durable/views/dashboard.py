@@ -14,6 +14,7 @@ from django.template.response import TemplateResponse
 from ..core.workflows import registry
 from ..exceptions import DurableError
 from ..models import Job, Outbox
+from ..reads import limits as limit_reads
 from ..reads import reports
 from ..verbs import jobs as services
 from .base import JOB_KINDS, admin_url, back_to, context, form_reason, job_url, jobs_url, require, require_view, tab_url
@@ -109,6 +110,10 @@ def dashboard(request, admin_site):
         unknown_total=reports.scoped(Outbox.objects.unknown(), workflow, "job__workflow").count(),
         # One per job awaiting approval, expired proposals included: the tiles' count.
         pending_approvals=reports.awaiting_decision(workflow).count(),
+        # Runs waiting their turn under a provider limit: by design, like a timer, but a
+        # count that keeps growing says the work asks for more calls than the provider allows.
+        throttled_total=limit_reads.throttled_count(workflow),
+        limits_url=tab_url(admin_site, "limits"),
     )
     return TemplateResponse(request, "admin/durable/dashboard.html", ctx)
 
@@ -146,6 +151,8 @@ def alert_link(admin_site, alert):
         url = admin_url(admin_site, "durable_reconcile")
     elif alert.target == "schedules":
         url = tab_url(admin_site, "schedules")
+    elif alert.target == "limits":
+        url = tab_url(admin_site, "limits")
     else:
         url = ""
     return {"alert": alert, "url": url}

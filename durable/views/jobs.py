@@ -23,6 +23,7 @@ from ..core.states import CANCELLED, CLAIMABLE_KINDS, StateKind
 from ..core.workflows import registry
 from ..exceptions import DurableError, OperatorError
 from ..models import Job, OutboxStatus, Pause, Signal, StepResult
+from ..reads import limits as limit_reads
 from ..reads import reports
 from ..store import locking
 from ..verbs import answers
@@ -324,6 +325,7 @@ def job_detail(request, model_admin, object_id):
         act_urls={v: admin_url(admin_site, "durable_job_act", quote(job.pk), v) for v in VERBS},
         jobs_url=admin_url(admin_site, "durable_job_changelist"),
         workflow_paused=Pause.objects.filter(workflow=job.workflow).first(),
+        throttled=limit_reads.throttled(job, now), limits_url=url_or_blank(admin_site, "durable_limits"),
         sees_payloads=user.has_perm("durable.view_payload"),
         redact_keys=durable_settings.REDACT_KEYS,
     )
