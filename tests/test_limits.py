@@ -264,3 +264,15 @@ def test_a_429_under_a_limit_pauses_it_and_the_run_waits_instead_of_failing(run_
     assert job.result == {"answer": "Delivered.", "turns": 1} and job.attempts <= 1
     assert JobEvent.objects.filter(job_id="r1", message__contains="paused 2 s by the provider's 429").exists()
     assert not JobEvent.objects.filter(job_id="r1", kind=EventKind.RETRY).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_orm_s_booking_for_other_databases_books_the_same_moments_as_the_statement(monkeypatch):
+    specs = rules.parse({"a": {**LIMIT, "tokens_per_minute": 6000}})
+    by_statement = [store.reserve(specs, job.id, job.lease_token, "k", 100) for job in (_job("s1"), _job("s2"))]
+    Limit.objects.all().delete()
+    monkeypatch.setattr(store, "BOOK", {})  # as on a database with no statement of its own
+    by_orm = [store.reserve(specs, job.id, job.lease_token, "k", 100) for job in (_job("o1"), _job("o2"))]
+    gap = [(d[1].at - d[0].at).total_seconds() for d in (by_statement, by_orm)]
+    assert gap[0] == pytest.approx(gap[1], abs=0.01) == pytest.approx(1.0, abs=0.01)
+    assert Limit.objects.get(pk="a").booked_tokens == Reservation.objects.get(job_id="o2").tokens

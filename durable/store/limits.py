@@ -120,13 +120,14 @@ def _book(spec, estimate, max_tokens):
 
 def _book_by_orm(spec, params):
     """The same booking for any other database: the row locked, the arithmetic in Python."""
-    limit = Limit.objects.select_for_update().get(name=spec.name)
-    now = database.current().now().timestamp()
-    tokens = rules.tokens_to_reserve(params["estimate"], limit.token_ratio) + params["out"]
-    start, schedule = rules.book(spec, rules.Schedule(limit.requests_free, limit.tokens_free, limit.paused_until),
-                                 now, tokens)
-    Limit.objects.filter(name=spec.name).update(booked=start, booked_tokens=tokens, requests_free=schedule.requests_at,
-                                                tokens_free=schedule.tokens_at, updated=Now())
+    with transaction.atomic():
+        limit = Limit.objects.select_for_update().get(name=spec.name)
+        now = database.current().now().timestamp()
+        tokens = rules.tokens_to_reserve(params["estimate"], limit.token_ratio) + params["out"]
+        start, schedule = rules.book(spec, rules.Schedule(limit.requests_free, limit.tokens_free,
+                                                          limit.paused_until), now, tokens)
+        Limit.objects.filter(name=spec.name).update(booked=start, booked_tokens=tokens, updated=Now(),
+                                                    requests_free=schedule.requests_at, tokens_free=schedule.tokens_at)
     return start, tokens, now, limit.paused_until
 
 
