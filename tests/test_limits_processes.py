@@ -71,7 +71,7 @@ def _run(workers, tmp_path, runs, kills=0, **env):
 
 def test_four_processes_share_a_provider_limit_at_nearly_its_rate_and_are_almost_never_refused(
         workers, tmp_path):
-    runs = 150
+    runs = 100
     paid, refused, peaks, _ = _run(workers, tmp_path, runs)
     allowed = PER_MINUTE / 60
     rate = achieved(paid)
@@ -87,7 +87,7 @@ def test_four_processes_share_a_provider_limit_at_nearly_its_rate_and_are_almost
 
 
 def test_workers_killed_under_a_limit_leak_no_reservation_and_every_run_finishes(workers, tmp_path):
-    runs = 150
+    runs = 100
     paid, refused, _, killed = _run(workers, tmp_path, runs, kills=2, DURABLE_LEASE_SECONDS=5)
     assert killed == 2
     assert 2 * runs <= len(paid)

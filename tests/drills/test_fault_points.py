@@ -8,8 +8,15 @@ from .drills import JOB_POINTS, fault_point_once, wired_points
 pytestmark = [pytest.mark.crash, pytest.mark.django_db(transaction=True)]
 
 
-@pytest.mark.parametrize("lab", IN_FLIGHT_AND_POOLED, indirect=True)
-@pytest.mark.parametrize("point", JOB_POINTS)
+# Behind PgBouncer, the points where a kill leaves a transaction of the claim, of a step's
+# commit and of the final move cut off on a server connection PgBouncer hands to others.
+POOLED_POINTS = ("after_claim", "after_step_before_commit", "before_final_transition")
+CASES = [pytest.param(lab.values[0], point, id=f"{point}-{lab.id}")
+         for lab in IN_FLIGHT_AND_POOLED for point in JOB_POINTS
+         if "pgbouncer" not in lab.id or point in POOLED_POINTS]
+
+
+@pytest.mark.parametrize(("lab", "point"), CASES, indirect=["lab"])
 def test_a_worker_killed_at_this_point_loses_nothing_and_duplicates_only_the_step_it_hit(
     lab, size, point
 ):
