@@ -46,6 +46,7 @@ def test_a_limit_declared_wrong_is_refused_with_what_is_wrong(setting, message):
     assert message in str(refused.value)
 
 
+@pytest.mark.django_db  # Django 6's check command also runs the checks that read the database
 def test_the_system_check_names_a_limit_declared_wrong():
     with override_settings(DURABLE={"LIMITS": {"openai": {"requests_per_minute": -5}}}):
         with pytest.raises(SystemCheckError) as refused:
