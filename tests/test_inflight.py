@@ -270,7 +270,7 @@ def test_runs_in_flight_killed_at_random_lose_no_run_and_pay_again_only_for_call
             durable.submit("test_agent", f"k{n}", {"model_url": server.url, "log": str(log),
                                                    "message": f"Where is the order of k{n}"})
         proc = workers.start("--no-dispatcher", "--connections", "3", processes=2,
-                             DURABLE_TEST_THREADS=runs // 2, DURABLE_LEASE_SECONDS=2, **env)
+                             DURABLE_TEST_THREADS=runs // 2, DURABLE_LEASE_SECONDS=5, **env)
         killed = 0
         while killed < kills:
             time.sleep(1.5)

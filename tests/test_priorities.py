@@ -181,7 +181,9 @@ def test_a_job_of_the_lowest_priority_waits_behind_higher_ones_due_less_than_200
     with override_settings(DURABLE={"PRIORITY_AGING": aging}):
         durable.submit("recorded", "low", {}, priority=-100)
         durable.submit("recorded", "high", {}, priority=100)
-    now = locking.db_now()
+    # Both due a second before the claim: "now" to the microsecond may still be ahead of
+    # SQLite's clock in the claim, which counts in milliseconds.
+    now = locking.db_now() - datetime.timedelta(seconds=1)
     due("high", 0, now)
     due("low", earlier * 200 * aging, now)  # the bound: 200 steps of aging seconds
     assert claim_all()[0] == first
