@@ -99,7 +99,7 @@ def test_workers_killed_under_a_limit_leak_no_reservation_and_every_run_finishes
     # A process killed mid-drill is replaced; its runs come back together after their
     # leases, and a few of their calls may go out bunched: a 429 pauses the limit, and they
     # wait it out. What must hold is that nothing leaks and every run finishes.
-    assert len(refused) <= 0.05 * (len(paid) + len(refused)), len(refused)
+    assert len(refused) <= 0.10 * (len(paid) + len(refused)), len(refused)
     # Nothing still booked, queued or in flight: the dead runs' shares came back.
     open_ = Reservation.objects.filter(state__in=[*ReservationState.waiting(), ReservationState.CALLING])
     assert not open_.exists(), list(open_.values_list("job_id", "key", "state"))
