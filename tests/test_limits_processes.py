@@ -55,7 +55,7 @@ def _run(workers, tmp_path, runs, kills=0, **env):
         for n in range(runs):
             durable.submit("test_agent", f"p{n}", {"model_url": server.url, "log": str(log),
                                                    "message": f"Where is the order of p{n}"})
-        proc = workers.start("--no-dispatcher", "--connections", "8", processes=4, DURABLE_TEST_THREADS=20,
+        proc = workers.start("--no-dispatcher", "--connections", "8", processes=4, DURABLE_TEST_THREADS=12,
                              DURABLE_TEST_LIMITS=declared(), **env)
         from tests.drills.lab import children
 
