@@ -125,6 +125,18 @@ def check_limits(app_configs, **kwargs):
 
 
 @checks.register()
+def check_concurrency(app_configs, **kwargs):
+    """DURABLE['CONCURRENCY'] that cannot be read: every submit under a key would refuse it."""
+    from .core import concurrency
+
+    try:
+        concurrency.parse(durable_settings.CONCURRENCY)
+    except concurrency.ConcurrencyConfigError as exc:
+        return [checks.Error(f"{exc}.", hint="See 'Concurrency keys' in the README.", id="durable.E047")]
+    return []
+
+
+@checks.register()
 def check_priority_aging(app_configs, **kwargs):
     """A PRIORITY_AGING that is not a number of seconds from 0 to a day: every submit would refuse it."""
     from django.core.exceptions import ImproperlyConfigured

@@ -56,6 +56,10 @@ DEFAULTS = {
     # once the provider allows. A model call under a limit waits its turn throttled,
     # on no thread and no connection; a 429's Retry-After pauses the limit for all.
     "LIMITS": {},
+    # Concurrency keys by pattern: how many jobs submitted under a matching key
+    # (submit(..., concurrency_key="conversation:7")) may be active at once, e.g.
+    # {"tenant:*": 5, "conversation:*": 1}. A key no pattern covers is refused at submit.
+    "CONCURRENCY": {},
     # Seconds a SIGTERMed worker gets to finish its current step before it is killed.
     "SHUTDOWN_GRACE": 30.0,
     # Default number of worker processes (None: the CPU count).

@@ -29,6 +29,20 @@ class IdempotencyConflict(DurableError):
     """
 
 
+class KeyBusy(DurableError):
+    """The job's concurrency key is full and its workflow rejects a second job (``when_busy = "reject"``).
+
+    Nothing was written. ``active`` are the keys of the jobs that hold it; submit again once
+    they have finished.
+    """
+
+    def __init__(self, key, active):
+        self.key = key
+        self.active = tuple(active)
+        super().__init__(f"The concurrency key {key!r} is busy: job {', '.join(map(repr, self.active))} is"
+                         " active, and this workflow rejects another job meanwhile (when_busy='reject')")
+
+
 class PayloadInvalid(DurableError, ValidationError):
     """The payload is not JSON-serialisable or is over the size limit. Nothing was written."""
 

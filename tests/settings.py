@@ -71,6 +71,8 @@ DURABLE = {
     "MODEL_PRICES": json.loads(os.environ.get("DURABLE_TEST_MODEL_PRICES", "{}")),
     # The flow-control drills hand their provider limits to their workers.
     "LIMITS": json.loads(os.environ.get("DURABLE_TEST_LIMITS", "{}")),
+    # Concurrency keys: one writer per conversation, three jobs at once per tenant.
+    "CONCURRENCY": {"conversation:*": 1, "tenant:*": 3},
     # The PgBouncer tests point their workers' LISTEN at the server itself, or turn LISTEN
     # or prepared statements off (durable's defaults otherwise).
     "LISTEN": os.environ.get("DURABLE_TEST_LISTEN", "1") == "1",

@@ -277,3 +277,38 @@ def test_the_orm_s_booking_for_other_databases_books_the_same_moments_as_the_sta
     gap = [(d[1].at - d[0].at).total_seconds() for d in (by_statement, by_orm)]
     assert gap[0] == pytest.approx(gap[1], abs=0.01) == pytest.approx(1.0, abs=0.01)
     assert Limit.objects.get(pk="a").booked_tokens == Reservation.objects.get(job_id="o2").tokens
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_call_that_waited_for_its_moment_does_not_go_if_a_429_paused_the_limit_meanwhile(monkeypatch):
+    from types import SimpleNamespace
+
+    from durable.steps import limits as pacing
+
+    specs = {"a": LIMIT}
+    first, second = _job("j1"), _job("j2")
+    adapter = SimpleNamespace(provider="openai", model="fake-model", defaults={})
+    sent = []
+
+    def call(name):
+        return lambda: sent.append(name) or SimpleNamespace(input_tokens=5, output_tokens=1)
+
+    with override_settings(DURABLE={"LIMITS": specs}):
+        pacing.paced(adapter, [], None, {}, call("first"), job_id=first.id, lease_token=first.lease_token, key="k")
+        # The second call's moment is a second later (60 a minute): while it waits for it,
+        # another call of the fleet is refused and the provider pauses the limit.
+        other = _job("j3")
+        refused = store.reserve(rules.parse(specs), other.id, other.lease_token, "k", 10)
+
+        def meanwhile(seconds):
+            assert 0 < seconds <= pacing.SHORT_WAIT
+            store.refuse(refused.ids, 30, "HTTP 429", rules.parse(specs))
+
+        monkeypatch.setattr(pacing, "time", SimpleNamespace(sleep=meanwhile, monotonic=time.monotonic))
+        with pytest.raises(pacing.Throttled) as throttled:
+            pacing.paced(adapter, [], None, {}, call("second"), job_id=second.id,
+                         lease_token=second.lease_token, key="k")
+    assert sent == ["first"]  # the second call never went
+    assert "paused by the provider's 429 while the call waited" in throttled.value.why
+    assert (throttled.value.until - locking.db_now()).total_seconds() == pytest.approx(30, abs=2)
+    assert Reservation.objects.get(job_id="j2").state == ReservationState.RELEASED

@@ -17,16 +17,18 @@ import time
 from decimal import Decimal
 
 from .. import faults
+from ..core.concurrency import Interrupted
 from ..core.formats import money
 from ..core.identity import storable_json
 from ..core.outcomes import AskHuman, Done, Failed, HandedBack, Left, Lost, Parked
+from ..core.outcomes import Interrupted as InterruptedOutcome
 from ..core.outcomes import Throttled as ThrottledOutcome
 from ..core.retry import scrub
 from ..core.workflows import NeedsHuman, Output, WaitingOn
 from ..exceptions import LeaseLost
 from ..models import EventKind, Job, JobEvent, MemoKind, StepResult
 from ..steps.limits import Throttled, paced
-from ..store import locking
+from ..store import concurrency, locking
 from . import tools as agent_actions
 from .base import RUNNING, Divergence, Draining, DuplicateKey, Suspended, ToolError, parsed
 from .llm import ModelReply, ModelReplyInvalid
@@ -95,6 +97,14 @@ class AgentRun:
         if budget is not None:
             self.budget = _money(budget)
 
+    def check_key(self):
+        """Before a model call: a job submitted later under the run's concurrency key may interrupt it."""
+        claimed = self.claimed
+        if claimed.concurrency_key is not None:
+            turn = concurrency.admit(claimed.id, claimed.concurrency_key, claimed.concurrency_seq)
+            if turn.interrupted_by is not None:
+                raise Interrupted(turn.interrupted_by)
+
     def spent(self):
         return sum((m.cost for m in self.memos.values()), Decimal(0))
 
@@ -137,6 +147,8 @@ class AgentRun:
             return HandedBack(self.seq)
         except Throttled as waiting:
             return ThrottledOutcome(waiting.until, waiting.why, self.seq)
+        except Interrupted as stop:
+            return InterruptedOutcome(stop.by, self.seq)
         except ModelReplyInvalid as exc:
             # Kept for the operator: last_error names what the model sent.
             raw = str(exc.raw or "")[:1500]
@@ -346,6 +358,14 @@ class AgentContext:
         return join(self, children, timeout, key=self._run.use_key(key, repeat))
 
     @property
+    def check_key(self):
+        """Before a model call: a job submitted later under the run's concurrency key may interrupt it."""
+        claimed = self.claimed
+        if claimed.concurrency_key is not None:
+            turn = concurrency.admit(claimed.id, claimed.concurrency_key, claimed.concurrency_seq)
+            if turn.interrupted_by is not None:
+                raise Interrupted(turn.interrupted_by)
+
     def spent(self):
         """The money this job's recorded calls cost so far (the budget's ledger)."""
         return self._run.spent()
@@ -379,6 +399,7 @@ class AgentContext:
 
         def produce():
             run.check_budget()
+            run.check_key()
             faults.point("agent_model_call")
             reply = paced(model, messages, specs or None, params,
                           lambda: model.complete(messages, tools=specs or None, **params),

@@ -77,6 +77,14 @@ class Throttled:
 
 
 @dataclass(frozen=True)
+class Interrupted:
+    """A job submitted later under the run's concurrency key interrupts it: the job is cancelled."""
+
+    by: str  # the job that interrupted it
+    calls: int  # the calls recorded so far, kept as memos
+
+
+@dataclass(frozen=True)
 class Failed:
     """The run raised: the step's retry policy decides what happens."""
 
@@ -84,4 +92,4 @@ class Failed:
     seconds: float
 
 
-__all__ = ["AskHuman", "Done", "Failed", "HandedBack", "Left", "Lost", "Parked", "Seat"]
+__all__ = ["AskHuman", "Done", "Failed", "HandedBack", "Interrupted", "Left", "Lost", "Parked", "Seat", "Throttled"]

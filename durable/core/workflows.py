@@ -150,6 +150,15 @@ def _resolve_prepared_from(cls, steps):
     return resolved
 
 
+def _check_when_busy(cls):
+    from .concurrency import check_policy
+
+    try:
+        check_policy(cls.name or cls.__name__, cls.when_busy)
+    except ValueError as exc:
+        raise ImproperlyConfigured(str(exc)) from None
+
+
 class Workflow:
     """Base class of workflows. Subclasses with a ``name`` register themselves."""
 
@@ -166,6 +175,10 @@ class Workflow:
     # What its actions are (``durable.actions.kinds``): None, a step's action; an agent
     # workflow names the tool-call kind. The outbox, approvals and console ask it.
     action_kind = None
+    # What a job of this workflow does when its concurrency key is full
+    # (``durable.core.concurrency``): "queue" (wait its turn), "reject" (submit raises
+    # KeyBusy) or "interrupt" (the key's active runs stop at their next model call).
+    when_busy = "queue"
 
     steps: list[Step]
     table: states.TransitionTable
@@ -178,6 +191,7 @@ class Workflow:
                 if hasattr(value, "_durable_step"):
                     found[attr] = value._durable_step
         cls.steps = _resolve_prepared_from(cls, sorted(found.values(), key=lambda s: s.order))
+        _check_when_busy(cls)
         if register and cls.name:
             registry.register(cls)
 

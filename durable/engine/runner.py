@@ -24,7 +24,7 @@ from .. import faults
 from ..actions import outbox
 from ..conf import durable_settings
 from ..core.identity import storable_json
-from ..core.outcomes import AskHuman, Done, Failed, HandedBack, Left, Lost, Parked, Seat, Throttled
+from ..core.outcomes import AskHuman, Done, Failed, HandedBack, Interrupted, Left, Lost, Parked, Seat, Throttled
 from ..core.retry import backoff, classify, describe, scrub
 from ..core.states import RESUMING_KINDS, WOKEN, StateKind
 from ..core.workflows import Action, NeedsHuman, Wait, WaitingOn, registry
@@ -32,7 +32,8 @@ from ..exceptions import LeaseLost, UnknownWorkflow
 from ..models import EventKind, StepResult
 from ..signals import job_finished, step_finished, step_started
 from ..steps.context import Context
-from ..store import locking, moves
+from ..store import concurrency, locking, moves
+from . import turns
 
 logger = logging.getLogger("durable.worker")
 
@@ -196,6 +197,8 @@ class Runner:
         return dict(StepResult.objects.filter(job_id=job_id).values_list("step", "output"))
 
     def run_step(self, started):
+        if not turns.admitted(self, started):  # a job of a concurrency key waits its turn
+            return None
         if started.workflow.runs_itself:
             # An agent workflow: run() from the top, one memo per call (durable.agents.run).
             seat = Seat(self.owner, self.lease_seconds, self.heartbeat, self.on_timeout,
@@ -281,32 +284,17 @@ class Runner:
                 self.lost(started)
                 return None
             case HandedBack(calls):
-                self._hand_back(started, calls)
+                turns.hand_back(self, started, calls)
                 return None
             case Throttled(until, why, calls):
-                self._hand_back(started, calls, until, why)
+                turns.hand_back(self, started, calls, until, why)
+                return None
+            case Interrupted(by, calls):
+                turns.interrupt(self, started, by, calls)
                 return None
             case Failed(error, seconds):
                 return self.fail_step(started, error, seconds)
         raise TypeError(f"a run returned {outcome!r}, which is not an outcome (durable.core.outcomes)")
-
-    def _hand_back(self, started, calls, until=None, why=""):
-        """Stop between two calls, the job due again: now (the worker drains) or at ``until``
-        (a call waits its turn under a provider limit, throttled, on no thread)."""
-        step = started.step.name
-        if until is None:
-            how, message = "handed back (draining)", (f"the worker drains: handed back after {calls} recorded"
-                                                       " calls, for any worker to go on from the next")
-        else:
-            how, message = (f"throttled until {until.isoformat()}: {why}",
-                            f"throttled until {until.isoformat(timespec='milliseconds')} after {calls}"
-                            f" recorded calls: {why}")
-        if locking.hand_back(started.claimed, actor=self.owner, step=step, message=message, due=until):
-            logger.info("%s job=%s step=%s %s after %d recorded calls", self.owner, started.claimed.id,
-                        step, how, calls)
-            self.finished(started, "handed back" if until is None else "throttled")
-        else:
-            self.lost(started)
 
     def _input_for(self, started):
         index = started.workflow.steps.index(started.step)
@@ -383,14 +371,17 @@ class Runner:
             data_json=data_json, keep=keep_going, terminal=terminal, write_memo=write_memo,
         )
         then_claim = (self.owner, self.workflows, self.queues, self._refresh_starts()) if chain else None
-        if terminal and claimed.parent_id is not None:
-            # A child's finishing transaction wakes its parent's join when it is the last.
+        if terminal and (claimed.parent_id is not None or claimed.concurrency_key is not None):
+            # A child's finishing transaction wakes its parent's join when it is the last,
+            # and a job of a concurrency key the next job waiting for the key.
             from ..steps.children import wake_parent
 
             with transaction.atomic():
                 ok, claimed_next = locking.complete_step(claimed, path, commit, then_claim=then_claim)
-                if ok:
+                if ok and claimed.parent_id is not None:
                     wake_parent(claimed.parent_id, claimed.id)
+                if ok and claimed.concurrency_key is not None:
+                    concurrency.wake(claimed.concurrency_key)
         else:
             ok, claimed_next = locking.complete_step(claimed, path, commit, then_claim=then_claim)
         if ok:

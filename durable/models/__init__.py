@@ -5,6 +5,7 @@ family. Nothing here assigns ``Job.state``: the store (``durable.store``) writes
 """
 
 from .approvals import Approval, ApprovalQuerySet, ApprovalStatus
+from .concurrency import ConcurrencyKey
 from .jobs import (
     IN_DOUBT,
     UNSETTLED,
@@ -32,8 +33,9 @@ from .schedules import ScheduleEvent, ScheduleEventKind, ScheduleState
 from .workers import ProcessRole, WorkerProcess
 
 __all__ = [
-    "IN_DOUBT", "UNSETTLED", "Approval", "ApprovalQuerySet", "ApprovalStatus", "CostMark", "CostMinute",
-    "CostRollup", "EventKind", "Job", "JobEvent", "JobQuerySet", "Limit", "MemoKind", "MoveMinute", "Outbox",
-    "OutboxQuerySet", "OutboxStatus", "Pause", "ProcessRole", "Reservation", "ReservationState", "ScheduleEvent",
-    "ScheduleEventKind", "ScheduleState", "Signal", "StepResult", "Wait", "WaitKind", "WorkerProcess", "memo_label",
+    "IN_DOUBT", "UNSETTLED", "Approval", "ApprovalQuerySet", "ApprovalStatus", "ConcurrencyKey", "CostMark",
+    "CostMinute", "CostRollup", "EventKind", "Job", "JobEvent", "JobQuerySet", "Limit", "MemoKind",
+    "MoveMinute", "Outbox", "OutboxQuerySet", "OutboxStatus", "Pause", "ProcessRole", "Reservation",
+    "ReservationState", "ScheduleEvent", "ScheduleEventKind", "ScheduleState", "Signal", "StepResult", "Wait",
+    "WaitKind", "WorkerProcess", "memo_label",
 ]

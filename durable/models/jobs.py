@@ -55,6 +55,10 @@ class Job(models.Model):
     # jobs of higher priority q that fell due less than (q - p) x aging seconds after it.
     head_start = models.DurationField(_("head start"), default=datetime.timedelta(0),
                                       db_default=datetime.timedelta(0))
+    # The concurrency key the job was submitted under (``durable.core.concurrency``), and its
+    # number among the key's jobs in the order submitted: jobs of a key start in that order.
+    concurrency_key = models.CharField(_("concurrency key"), max_length=200, null=True, blank=True)  # noqa: DJ001 - NULL: no key
+    concurrency_seq = models.PositiveBigIntegerField(_("number under its key"), null=True, blank=True)
     lease_until = models.DateTimeField(_("lease until"), null=True, blank=True)
     lease_owner = models.CharField(_("lease owner"), max_length=200, null=True, blank=True)  # noqa: DJ001 - NULL: no lease
     # Incremented by every claim; every write of a leased worker is fenced by it.
@@ -107,6 +111,9 @@ class Job(models.Model):
             # ``updated``, a state's ages and its oldest job come from the index alone.
             models.Index(fields=["workflow", "state", "updated"], name="durable_job_state_updated"),
             models.Index(fields=["updated"], name="durable_job_updated"),
+            # A concurrency key's jobs in the order submitted (jobs with no key are not in it).
+            models.Index(fields=["concurrency_key", "concurrency_seq"], name="durable_job_concurrency",
+                         condition=Q(concurrency_key__isnull=False)),
             # Leased jobs only (a handful, however many jobs there are): "what is stuck".
             models.Index(fields=["lease_until"], name="durable_job_leased",
                          condition=Q(lease_owner__isnull=False)),

@@ -23,11 +23,11 @@ logger = logging.getLogger("durable.limits")
 
 # A call whose turn is at most this far away waits for it in its thread: parking and
 # claiming the job again would cost more than the wait.
-SHORT_WAIT = 1.5
+SHORT_WAIT = 2.5
 # A throttled run is due this long before its turn: claimed again and replayed by then, it
 # waits the rest in its thread and calls on time. A run that came back late would send
 # its call bunched with the next ones, which a provider's window counts together.
-LEAD = 1.0
+LEAD = 2.0
 # A 429 without a Retry-After pauses its limit this long.
 DEFAULT_PAUSE = 1.0
 
@@ -56,6 +56,22 @@ def covering(provider, model, names=()):
     return tuple(spec for spec in specs if spec.name in names or spec.covers(provider, model))
 
 
+def _unless_paused(decision, specs, booked):
+    """A call that waited for its moment goes only if no 429 paused its limits meanwhile.
+
+    Calls booked before the provider refused one would otherwise all go at their moments
+    and be refused in turn; this one gives its moment back and waits out the pause.
+    """
+    now = decision.now.timestamp() + (time.monotonic() - booked)  # the database's clock, read on
+    until = store.paused_until([spec.name for spec in specs])
+    if until is None or until <= now:
+        return
+    store.release(decision.ids, specs)
+    names = ", ".join(spec.name for spec in specs)
+    raise Throttled(decision.now + datetime.timedelta(seconds=until - decision.now.timestamp()),
+                    f"limit {names}: paused by the provider's 429 while the call waited for its turn")
+
+
 def paced(adapter, messages, tools, params, call, *, job_id, lease_token, key, release=None,
           priority=0):
     """``call()`` once the limits covering ``adapter``'s model allow it; its reply settles them."""
@@ -74,7 +90,11 @@ def paced(adapter, messages, tools, params, call, *, job_id, lease_token, key, r
         raise Throttled(decision.at - datetime.timedelta(seconds=LEAD), decision.why)
     if release is not None:
         release()  # the call waits for its turn and on the provider: on no connection
-    time.sleep(max(0.0, (decision.at - decision.now).total_seconds()))
+    waited = max(0.0, (decision.at - decision.now).total_seconds())
+    if waited > 0:
+        booked = time.monotonic()
+        time.sleep(waited)
+        _unless_paused(decision, specs, booked)
     try:
         reply = call()
     except RateLimited as exc:

@@ -130,7 +130,7 @@ class Database:
         # ``updated`` is the update's now: the claim's database time.
         row = Job.objects.filter(pk=job_id).values_list(
             "id", "workflow", "state", "attempts", "lease_token", "payload", "wake_at", "updated",
-            "parent_id", "created").get()
+            "parent_id", "created", "concurrency_key", "concurrency_seq").get()
         if started_step is not None:
             JobEvent.objects.create(job_id=job_id, kind=EventKind.CLAIMED, from_state=previous_state,
                                     to_state=working, step=started_step, actor=owner,

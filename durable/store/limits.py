@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 
 from django.db import connection, transaction
-from django.db.models import Exists, F, OuterRef, Q
+from django.db.models import Exists, F, Max, OuterRef, Q
 from django.db.models.functions import Now
 
 from ..core import limits as rules
@@ -343,6 +343,11 @@ def wake_queued(name):
     if head is not None:
         Job.objects.filter(pk=head, lease_owner__isnull=True, next_run_at__isnull=False).update(
             next_run_at=Now())
+
+
+def paused_until(names):
+    """The end of the latest pause of the limits ``names`` (an epoch on the database's clock), or None."""
+    return Limit.objects.filter(name__in=names).aggregate(until=Max("paused_until"))["until"]
 
 
 def now_plus_seconds(seconds):

@@ -31,7 +31,7 @@ from django.db.models.functions import Now
 from ..core.states import SETTLED_KINDS
 from ..exceptions import IllegalTransition
 from ..models import EventKind, Job, JobEvent
-from . import database, moves
+from . import concurrency, database, moves
 from .records import JOBS_CHANNEL, NO_HEAD_START, OUTBOX_CHANNEL, Claimed, MemoCommit, Starts, StepCommit
 from .wakeups import wake_parent
 
@@ -214,6 +214,9 @@ def transition(job, path, *, expect=None, token=None, actor="", message="", step
             Job.objects.filter(pk=job.pk).values_list("parent_id", flat=True).first())
         if parent_id is not None:
             wake_parent(parent_id, job.pk)
+        key = getattr(job, "concurrency_key", None)
+        if key is not None:
+            concurrency.wake(key)  # the next job waiting for the key
     return True
 
 

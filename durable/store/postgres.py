@@ -101,7 +101,7 @@ WITH candidate AS (
     WHERE j.id = c.id
     RETURNING j.id, j.workflow, j.state, j.attempts, j.lease_token, j.payload::text AS payload,
               j.wake_at, statement_timestamp() AS now, c.previous_owner, c.state AS previous_state,
-              s.step, s.timer, s.woken, j.parent_id, j.created
+              s.step, s.timer, s.woken, j.parent_id, j.created, j.concurrency_key, j.concurrency_seq
 ), started AS (
     INSERT INTO durable_jobevent (job_id, at, kind, from_state, to_state, step, actor, message, data)
     SELECT id, now, 'claimed', previous_state, state, step, %(owner)s,
@@ -109,7 +109,7 @@ WITH candidate AS (
     FROM taken WHERE step IS NOT NULL
 )
 SELECT id, workflow, state, attempts, lease_token, payload, wake_at, now, previous_owner, step,
-       parent_id, created
+       parent_id, created, concurrency_key, concurrency_seq
 FROM taken
 """
 

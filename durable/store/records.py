@@ -96,11 +96,16 @@ class Claimed:
     __slots__ = (
         "id", "workflow", "state", "attempts", "lease_token", "payload", "wake_at",
         "db_now", "previous_owner", "owner", "started_step", "parent_id", "created", "fresh",
+        "concurrency_key", "concurrency_seq",
     )
 
-    def __init__(self, started_step=None, parent_id=None, created=None, **kw):
+    def __init__(self, started_step=None, parent_id=None, created=None, concurrency_key=None,
+                 concurrency_seq=None, **kw):
         self.started_step = started_step
         self.parent_id = parent_id
+        # The job's concurrency key and its number under it (``durable.core.concurrency``).
+        self.concurrency_key = concurrency_key
+        self.concurrency_seq = concurrency_seq
         self.created = created  # when the job was submitted (the database's stamp)
         for k, v in kw.items():
             setattr(self, k, v)
@@ -115,7 +120,8 @@ class Claimed:
     @classmethod
     def of_row(cls, row, owner, previous_owner, started_step):
         """From a claim's row: id, workflow, state, attempts, lease_token, payload, wake_at,
-        now, ..., parent_id, created (the last two last, whatever comes between)."""
+        now, ..., parent_id, created, concurrency_key, concurrency_seq (the last four last,
+        whatever comes between)."""
         return cls(
             id=row[0],
             workflow=row[1],
@@ -128,8 +134,10 @@ class Claimed:
             previous_owner=previous_owner,
             owner=owner,
             started_step=started_step,
-            parent_id=row[-2],
-            created=aware(row[-1]),
+            parent_id=row[-4],
+            created=aware(row[-3]),
+            concurrency_key=row[-2],
+            concurrency_seq=row[-1],
         )
 
 

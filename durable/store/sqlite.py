@@ -87,7 +87,7 @@ SET lease_owner = ?,
     attempts = CASE WHEN ? IS NULL THEN attempts WHEN ? THEN max(attempts, 1) ELSE attempts + 1 END
 WHERE id = ?
 RETURNING id, workflow, state, attempts, lease_token, payload, wake_at, {NOW}, parent_id,
-          created
+          created, concurrency_key, concurrency_seq
 """
 
 # One job event, at the database's now.

@@ -12,11 +12,12 @@ from django.core.serializers.json import DjangoJSONEncoder
 from django.db import connection, transaction
 
 from ..conf import durable_settings
-from ..core import identity
+from ..core import concurrency, identity
 from ..core.workflows import registry
 from ..exceptions import IdempotencyConflict, PayloadInvalid
 from ..models import Job
 from ..models.priorities import MAX_PRIORITY, MIN_PRIORITY
+from . import concurrency as keyed_jobs
 from . import locking
 from .records import head_start
 
@@ -58,7 +59,8 @@ def check_priority(priority):
                              f" (higher runs first), not {priority!r}")
 
 
-def submit(workflow, key, payload, *, run_after=None, queue="default", submitted_by="", priority=0):
+def submit(workflow, key, payload, *, run_after=None, queue="default", submitted_by="", priority=0,
+           concurrency_key=None):
     """Create the job ``key`` of ``workflow``, or return the existing identical one.
 
     Idempotent: the same key with the same workflow, payload and priority returns the
@@ -66,6 +68,9 @@ def submit(workflow, key, payload, *, run_after=None, queue="default", submitted
     IdempotencyConflict and writes nothing. Joins the caller's transaction: the job
     exists if and only if it commits. ``priority`` (-100 to 100, higher first) orders
     the claim, aged by ``DURABLE["PRIORITY_AGING"]`` (see ``head_start``).
+    ``concurrency_key`` puts the job under a key (``durable.core.concurrency``): at most
+    as many of its jobs run at once as ``DURABLE["CONCURRENCY"]`` allows, in the order
+    submitted; the workflow's ``when_busy`` says what a job submitted meanwhile does.
     """
     definition = registry.get(workflow)
     if not isinstance(key, str) or not key or len(key) > 255:
@@ -75,17 +80,23 @@ def submit(workflow, key, payload, *, run_after=None, queue="default", submitted
     if not isinstance(queue, str) or not queue or len(queue) > Job._meta.get_field("queue").max_length:
         raise PayloadInvalid("The queue must be a non-empty string of at most 100 characters")
     check_priority(priority)
+    concurrency.check_key(concurrency_key)
+    if concurrency_key is not None:
+        concurrency.limit_for(concurrency_key, durable_settings.CONCURRENCY)  # a key no pattern covers: said now
     payload_json = normalise_payload(payload, as_json=True)
     lead = head_start(priority)
     state, by = definition.table.initial, str(submitted_by or "")
     # One statement of its own; inside a caller's transaction, a savepoint, so that a
     # refused insert leaves that transaction usable.
-    with transaction.atomic() if connection.in_atomic_block else contextlib.nullcontext():
+    # A job under a concurrency key is numbered under it in the same transaction.
+    keyed = concurrency_key is not None
+    with transaction.atomic() if keyed or connection.in_atomic_block else contextlib.nullcontext():
         stamps = locking.insert_job(
             key=key, workflow=definition.name, version=definition.version, queue=queue, state=state,
             payload_json=payload_json, run_after=run_after, submitted_by=by,
             message=f"{definition.name} v{definition.version}", priority=priority, head_start=lead,
         )
+        seq = keyed_jobs.enter(key, concurrency_key, definition.when_busy) if keyed and stamps else None
     payload = json.loads(payload_json)
     if stamps is None:
         existing = Job.objects.filter(pk=key).first()
@@ -96,6 +107,8 @@ def submit(workflow, key, payload, *, run_after=None, queue="default", submitted
                    else "payload" if not identity.same_json(existing.payload, payload)
                    else f"priority: it has {existing.priority}, this submit {priority}"
                    if existing.priority != priority
+                   else f"concurrency key: it has {existing.concurrency_key!r}, this submit {concurrency_key!r}"
+                   if existing.concurrency_key != concurrency_key
                    else None)
         if differs:
             raise IdempotencyConflict(
@@ -105,6 +118,7 @@ def submit(workflow, key, payload, *, run_after=None, queue="default", submitted
     created, updated, next_run_at = stamps
     job = Job(id=key, workflow=definition.name, workflow_version=definition.version, queue=queue,
               state=state, payload=payload, submitted_by=by, created=created, updated=updated,
-              next_run_at=next_run_at, priority=priority, head_start=lead)
+              next_run_at=next_run_at, priority=priority, head_start=lead, concurrency_key=concurrency_key,
+              concurrency_seq=seq)
     job._state.adding, job._state.db = False, connection.alias
     return job

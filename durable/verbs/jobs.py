@@ -22,11 +22,9 @@ from ..core.states import CANCELLED, StateKind
 from ..core.workflows import Action, NeedsHuman, Wait, registry
 from ..exceptions import OperatorError
 from ..models import (
-    ApprovalStatus,
     EventKind,
     Job,
     JobEvent,
-    OutboxStatus,
     Pause,
     ScheduleEvent,
     ScheduleEventKind,
@@ -40,6 +38,7 @@ from ..steps.context import Context
 from ..store import audit, locking, moves
 from ..store.ledger import record_spend
 from ..store.submission import submit
+from ..store.withdrawal import withdraw
 from .purge import Purged, parse_age, purge, purgeable
 
 
@@ -114,12 +113,7 @@ def cancel(job_id, *, user=None, reason="", children=False):
             raise OperatorError(f"Job {job.pk} already finished ({job.state})")
         _operator_move(job, CANCELLED, user, reason, "cancel", moves.hand_over())
         # Withdraw what has not left the system yet; anything sent stays visible.
-        job.actions.filter(status=OutboxStatus.PENDING).update(
-            status=OutboxStatus.CANCELLED, next_attempt_at=None, last_error="job cancelled"
-        )
-        job.approvals.filter(status=ApprovalStatus.REQUESTED).update(
-            status=ApprovalStatus.SUPERSEDED, note="job cancelled"
-        )
+        withdraw(job.pk, "job cancelled")
         return job
 
 

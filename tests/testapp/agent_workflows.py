@@ -92,6 +92,32 @@ class SupportAgent(AgentWorkflow):
             chat.extend(turn.call_tools(reply))
 
 
+@tool
+def user_writes_again(ctx, text: str) -> dict:
+    """(The test's user) sends another message to the conversation while this run is active."""
+    import durable
+
+    durable.submit(ctx.payload["then"]["workflow"], f"{ctx.job_id}-again",
+                   {"script": ctx.payload["then"]["script"], "message": text},
+                   concurrency_key=ctx.payload["then"]["key"])
+    return {"sent": text}
+
+
+class ConversationAgent(SupportAgent):
+    """A conversation's agent: a new message interrupts the run still answering the last one."""
+
+    name = "test_agent_interrupting"
+    tools = [*SupportAgent.tools, user_writes_again]
+    when_busy = "interrupt"
+
+
+class RejectingAgent(SupportAgent):
+    """A conversation's agent that refuses a second message while it answers the first."""
+
+    name = "test_agent_rejecting"
+    when_busy = "reject"
+
+
 class LongAgent(SupportAgent):
     """The same agent with room for long runs (the 100-turn drill and benchmark)."""
 
