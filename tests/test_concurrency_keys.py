@@ -130,7 +130,7 @@ def test_a_key_lets_in_as_many_jobs_as_it_allows_in_the_order_submitted():
     assert "1 submitted before it is waiting too" in behind.why
     assert behind.due > waiting.due  # further back, it looks again later
     # The first finishes: the next in line goes, not the one that asked last.
-    Job.objects.filter(pk="c0").update(state="done")
+    Job.objects.filter(pk="c0").update(state="c_done")
     assert not store.admit(third.id, "conversation:1", third.concurrency_seq).go
     assert store.admit(second.id, "conversation:1", second.concurrency_seq).go
     assert list(ConcurrencyKey.objects.get(pk="conversation:1").holders) == ["c1"]

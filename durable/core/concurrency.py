@@ -73,11 +73,19 @@ def check_key(key):
                              f" with no NUL, not {key!r}")
 
 
+def covering(key, patterns):
+    """The first of the declared ``(pattern, limit)`` that covers ``key``, or None."""
+    for pattern, limit in patterns:
+        if fnmatch.fnmatchcase(key, pattern):
+            return pattern, limit
+    return None
+
+
 def limit_for(key, setting):
     """How many jobs of ``key`` may be active at once: the first declared pattern that covers it."""
-    for pattern, limit in parse(setting):
-        if fnmatch.fnmatchcase(key, pattern):
-            return limit
+    covered = covering(key, parse(setting))
+    if covered is not None:
+        return covered[1]
     raise ConcurrencyConfigError(
         f"the concurrency key {key!r} matches no pattern of DURABLE['CONCURRENCY']"
         f" ({', '.join(p for p, _ in parse(setting)) or 'none declared'}); declare how many of its jobs"

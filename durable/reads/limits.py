@@ -38,6 +38,8 @@ BOOKED_AHEAD = datetime.timedelta(hours=1)
 THROTTLED = re.compile(r"^throttled until \S+ after (?P<calls>\d+) recorded calls: (?P<why>.*)$",
                        re.S)
 THROTTLED_PREFIX = "throttled until "
+# How a run waiting for its concurrency key's turn gives its reason (durable.store.concurrency).
+KEY_PREFIX = "concurrency key "
 # The limits a throttled run's reason names ("limit a, b: paused 2 s by the provider's 429").
 NAMED = re.compile(r"^limit (?P<names>.+?): ")
 
@@ -253,12 +255,13 @@ def latest_throttle(job_id):
 
 
 def throttled(job, now=None):
-    """Why ``job`` waits under a provider limit now, or None when it does not.
+    """Why ``job`` waits under a provider limit or its concurrency key now, or None when it does not.
 
     Its booked or queued reservations say on which limits and until when; its latest
     "throttled until" event says why in the engine's words. The run the provider refused
     (a 429) gave its reservation back: it waits out the pause, due at the end of it, and
-    only its event (the job's latest) and ``next_run_at`` tell.
+    only its event (the job's latest) and ``next_run_at`` tell. So does a run not let in
+    under its concurrency key yet (``key``: the key it waits for), until its key wakes it.
     """
     if job.lease_owner or job.next_run_at is None:
         return None
@@ -291,6 +294,10 @@ def throttled(job, now=None):
             limits.append({"name": name, "queued": False, "turn": None, "tokens": 0,
                            "paused_until": paused if paused is not None and paused > now else None})
     event, calls, why = found if found is not None else (None, None, "")
+    # Not let in under its concurrency key yet (``durable.store.concurrency.admit``'s words):
+    # no provider refused it; it goes when a job of its key finishes, or looks again then.
+    key = job.concurrency_key if not held and job.concurrency_key and why.startswith(
+        f"{KEY_PREFIX}{job.concurrency_key} (") else None
     turns = [limit["turn"] for limit in limits if limit["turn"] is not None]
     turn = max(turns) if turns else None
     return {
@@ -303,5 +310,6 @@ def throttled(job, now=None):
         "why": why,
         "calls": calls,
         "since": event.at if event is not None else None,
-        "refused": not held,
+        "refused": not held and key is None,
+        "key": key,
     }

@@ -14,6 +14,7 @@ from django.template.response import TemplateResponse
 from ..core.workflows import registry
 from ..exceptions import DurableError
 from ..models import Job, Outbox
+from ..reads import concurrency as key_reads
 from ..reads import limits as limit_reads
 from ..reads import reports
 from ..verbs import jobs as services
@@ -113,6 +114,8 @@ def dashboard(request, admin_site):
         # Runs waiting their turn under a provider limit: by design, like a timer, but a
         # count that keeps growing says the work asks for more calls than the provider allows.
         throttled_total=limit_reads.throttled_count(workflow),
+        # Jobs waiting for a place under their concurrency key (every workflow's).
+        keys_waiting=key_reads.waiting_total(),
         limits_url=tab_url(admin_site, "limits"),
     )
     return TemplateResponse(request, "admin/durable/dashboard.html", ctx)

@@ -23,6 +23,7 @@ from ..core.states import CANCELLED, CLAIMABLE_KINDS, StateKind
 from ..core.workflows import registry
 from ..exceptions import DurableError, OperatorError
 from ..models import Job, OutboxStatus, Pause, Signal, StepResult
+from ..reads import concurrency as key_reads
 from ..reads import limits as limit_reads
 from ..reads import reports
 from ..store import locking
@@ -326,10 +327,19 @@ def job_detail(request, model_admin, object_id):
         jobs_url=admin_url(admin_site, "durable_job_changelist"),
         workflow_paused=Pause.objects.filter(workflow=job.workflow).first(),
         throttled=limit_reads.throttled(job, now), limits_url=url_or_blank(admin_site, "durable_limits"),
+        concurrency=_concurrency(admin_site, job),
         sees_payloads=user.has_perm("durable.view_payload"),
         redact_keys=durable_settings.REDACT_KEYS,
     )
     return TemplateResponse(request, "admin/durable/job/detail.html", ctx)
+
+
+def _concurrency(admin_site, job):
+    """The job's concurrency key, whether it is active or waiting, the key's active jobs linked."""
+    found = key_reads.of_job(job)
+    if found is not None:
+        found["others_active"] = [{"job": m, "url": job_url(admin_site, m.job_id)} for m in found["others_active"]]
+    return found
 
 
 def job_action(request, model_admin, object_id, verb):

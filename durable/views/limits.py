@@ -1,9 +1,10 @@
-"""Limits: what each provider limit allows, its use now and over the hour, who waits, its 429s.
+"""Limits: what each provider limit allows, its use now and over the hour, who waits, its 429s;
+then the busy concurrency keys: who holds each, who waits for it.
 
-The runs keep the rows (``durable.store.limits``); this page reads them through
-``durable.reads.limits``. Its one button lifts a provider's pause (``store.limits.unpause``),
-with the permission that pauses and resumes workflows, a reason, and an entry in the
-admin's log.
+The runs keep the rows (``durable.store.limits``, ``durable.store.concurrency``); this page
+reads them through ``durable.reads.limits`` and ``durable.reads.concurrency``. Its one
+button lifts a provider's pause (``store.limits.unpause``), with the permission that
+pauses and resumes workflows, a reason, and an entry in the admin's log.
 """
 
 from django.contrib import messages
@@ -13,6 +14,7 @@ from django.template.response import TemplateResponse
 
 from ..core import formats
 from ..models import Limit
+from ..reads import concurrency as key_reads
 from ..reads import limits as reads
 from ..store import audit, locking
 from ..store import limits as store
@@ -28,10 +30,18 @@ SAMPLE = """DURABLE = {
                    "tokens_per_minute": 200_000, "concurrent": 50},
     },
 }"""
+# What the page shows when no concurrency key pattern is declared: one to copy.
+KEYS_SAMPLE = """DURABLE = {
+    "CONCURRENCY": {
+        "conversation:*": 1,    # one run per conversation at a time
+        "tenant:*": 5,          # at most five of a tenant's jobs at once
+    },
+}"""
 
 
 def limits(request, admin_site):
-    """Every declared limit (and any row no longer declared), as of the database's clock."""
+    """Every declared limit (and any row no longer declared), as of the database's clock, then the
+    busy concurrency keys."""
     require_view(request, "durable.view_limit", "durable.view_job")
     now = locking.db_now()
     found, problem = reads.overview(now)
@@ -59,8 +69,25 @@ def limits(request, admin_site):
         })
     ctx = context(request, admin_site, "Limits", "limits", items=items, now=now, problem=problem,
                   hour_start=reads.hour_start(now), bucket_minutes=reads.BUCKET_MINUTES,
-                  unpause_url=admin_url(admin_site, "durable_limit_unpause"), sample=SAMPLE)
+                  unpause_url=admin_url(admin_site, "durable_limit_unpause"), sample=SAMPLE,
+                  keys=_keys(admin_site, now), keys_sample=KEYS_SAMPLE)
     return TemplateResponse(request, "admin/durable/limits.html", ctx)
+
+
+def _keys(admin_site, now):
+    """The busy concurrency keys, each with its active jobs and its oldest waiting one linked."""
+    busy = key_reads.busy()
+    rows = []
+    for key in busy.keys:
+        oldest = key.oldest
+        rows.append({
+            "key": key,
+            "active": [{"job": m, "url": job_url(admin_site, m.job_id)} for m in key.active[:key_reads.ACTIVE_SHOWN]],
+            "more_active": max(len(key.active) - key_reads.ACTIVE_SHOWN, 0),
+            "oldest": oldest and {"job": oldest, "url": job_url(admin_site, oldest.job_id),
+                                  "waited": _age(now, oldest.created)},
+        })
+    return {"rows": rows, "more": busy.more, "patterns": busy.patterns, "problem": busy.problem}
 
 
 def _age(later, earlier):
