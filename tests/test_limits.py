@@ -13,6 +13,8 @@ import time
 import pytest
 from django.core.management import call_command
 from django.core.management.base import SystemCheckError
+from django.db.models import F
+from django.db.models.functions import Now
 from django.test import override_settings
 
 import durable
@@ -201,8 +203,10 @@ def test_a_429_pauses_the_limit_for_every_run_until_its_retry_after():
     limit = Limit.objects.get(pk="a")
     assert limit.refusals == 1 and limit.refusal == "HTTP 429: Rate limit reached"
     later = store.reserve(specs, second.id, second.lease_token, "k", 10)
-    assert not later.go
-    assert (later.at - later.now).total_seconds() == pytest.approx(30, abs=1)
+    assert not later.go and later.queued
+    # The pause ends beyond the horizon a limit books ahead: the run comes back to book the
+    # moment the pause ends once that is within it (one call's spacing after, at 60 a minute).
+    assert (later.at - later.now).total_seconds() == pytest.approx(30 - store.HORIZON + 1, abs=1)
     assert "paused by the provider's 429" in later.why
 
 
@@ -312,3 +316,51 @@ def test_a_call_that_waited_for_its_moment_does_not_go_if_a_429_paused_the_limit
     assert "paused by the provider's 429 while the call waited" in throttled.value.why
     assert (throttled.value.until - locking.db_now()).total_seconds() == pytest.approx(30, abs=2)
     assert Reservation.objects.get(job_id="j2").state == ReservationState.RELEASED
+
+
+@pytest.mark.django_db(transaction=True)
+def test_beyond_the_horizon_calls_queue_by_priority_and_a_call_that_goes_wakes_the_first_of_them():
+    specs = rules.parse({"a": LIMIT})  # 60 a minute: one call a second
+    ahead = [_job(f"b{n}") for n in range(int(store.HORIZON) + 1)]
+    for job in ahead:  # the horizon's worth of calls book their moments, a second apart
+        assert not store.reserve(specs, job.id, job.lease_token, "k", 10).queued
+    low, same, high = _job("low"), _job("same"), _job("high")
+    decisions = {}
+    for job, priority in ((low, -5), (same, 0), (high, 10)):
+        decisions[job.id] = store.reserve(specs, job.id, job.lease_token, "k", 10, priority=priority)
+        assert decisions[job.id].queued and not decisions[job.id].go
+        assert locking.hand_back(job, actor="w", step="run", message="throttled", due=decisions[job.id].at)
+    assert "0 calls queued before it, of its priority (-5) or higher" in decisions["low"].why
+    # The high one asked last but is first in line; the low one waits behind both.
+    assert store._queued_ahead(specs[0], Reservation.objects.get(job_id="high"), 10) == 0
+    assert store._queued_ahead(specs[0], Reservation.objects.get(job_id="low"), -5) == 2
+    # A newcomer of priority 0 queues behind the one of its priority that asked before it.
+    newcomer = _job("new")
+    queued = store.reserve(specs, newcomer.id, newcomer.lease_token, "k", 10)
+    assert queued.queued and "2 calls queued before it" in queued.why
+    # A booked call's moment comes (the second's, within the 2 s it may wait for it in its
+    # thread): it goes, and wakes the first run queued.
+    Job.objects.filter(pk="new").update(next_run_at=None)
+    assert store.reserve(specs, ahead[1].id, ahead[1].lease_token, "k", 10, soon=2).go
+    due = dict(Job.objects.filter(pk__in=["low", "same", "high"]).values_list("pk", "next_run_at"))
+    assert due["high"] <= locking.db_now() < min(due["same"], due["low"])
+    # Two seconds later (the schedule's end comes nearer as the booked calls go), woken, it
+    # books the moment at the horizon's end: nothing is queued before it.
+    Limit.objects.filter(pk="a").update(requests_free=F("requests_free") - 2)
+    woken = store.reserve(specs, high.id, high.lease_token, "k", 10, priority=10)
+    assert not woken.queued and Reservation.objects.get(job_id="high").state == ReservationState.BOOKED
+
+
+@pytest.mark.django_db(transaction=True)
+def test_runs_queued_in_the_same_millisecond_are_still_one_behind_the_other():
+    specs = rules.parse({"a": LIMIT})
+    for n in range(int(store.HORIZON) + 1):
+        job = _job(f"b{n}")
+        store.reserve(specs, job.id, job.lease_token, "k", 10)
+    first, second = _job("first"), _job("second")
+    for job in (first, second):
+        assert store.reserve(specs, job.id, job.lease_token, "k", 10).queued
+    # Written in the same millisecond (SQLite's stamps are to the millisecond).
+    Reservation.objects.filter(job_id__in=["first", "second"]).update(created=Now())
+    Limit.objects.filter(pk="a").update(requests_free=F("requests_free") - 2)
+    assert not store.reserve(specs, first.id, first.lease_token, "k", 10).queued

@@ -134,3 +134,36 @@ def test_a_limit_of_calls_at_once_holds_across_processes_and_a_slot_given_back_w
     assert most_in_flight(paid) == at_once  # the fleet filled the slots, never more
     woken = collections.Counter(Reservation.objects.values_list("state", flat=True))
     assert set(woken) <= {ReservationState.SETTLED, ReservationState.RELEASED}, woken
+
+
+def test_under_a_limit_runs_of_a_higher_priority_go_before_the_queue_of_lower_ones(workers, tmp_path):
+    lows, highs = 120, 8
+    limits = ProviderLimits(requests_per_minute=PER_MINUTE, tokens_per_minute=200_000, window=WINDOW)
+    with FakeModelServer(LOOKUP_THEN_ANSWER, latency=0.2, limits=limits) as server:
+        for n in range(lows):
+            durable.submit("test_agent", f"low{n}", {"model_url": server.url, "message": f"Where is low{n}"})
+        proc = workers.start("--no-dispatcher", "--connections", "8", processes=4, DURABLE_TEST_THREADS=12,
+                             DURABLE_TEST_LIMITS=declared())
+        # Once the fleet is well into the backlog, a few customers who are waiting ask.
+        wait_for(lambda: len(server.paid_calls()) >= 40, timeout=60, message="the backlog to start")
+        asked = time.time()
+        for n in range(highs):
+            durable.submit("test_agent", f"high{n}", {"model_url": server.url, "message": f"Where is high{n}"},
+                           priority=50)
+        wait_for(lambda: Job.objects.filter(state="done").count() == lows + highs, timeout=120,
+                 message="every run to finish")
+        assert workers.terminate(proc) == 0, workers.output(proc)[-3000:]
+        paid = server.paid_calls()
+    low_after = sorted(c.at for c in paid if "low" in c.body["messages"][1]["content"] and c.at > asked)
+    firsts = {}
+    for call in paid:
+        who = call.body["messages"][1]["content"].split()[-1]
+        if who.startswith("high"):
+            firsts[who] = min(firsts.get(who, call.at), call.at)
+    assert len(firsts) == highs
+    # The low runs' calls still to go when the high ones asked: the high ones' first calls all
+    # went before the first half of them, not after the whole queue (fairness within the
+    # low priority is the queue's order; a priority jumps it).
+    assert len(low_after) > 40, len(low_after)
+    halfway = low_after[len(low_after) // 2]
+    assert max(firsts.values()) < halfway, (sorted(firsts.values()), halfway, asked)

@@ -79,6 +79,14 @@ class LimitSpec:
     def seconds_per_token(self):
         return _spacing(self.tokens_per_minute, self.headroom)
 
+    def paced(self):
+        """Whether the limit has a rate (a schedule its calls book moments on), not only calls at once."""
+        return bool(self.requests_per_minute or self.tokens_per_minute)
+
+    def spacing(self, tokens):
+        """Seconds of the limit's schedule a call of ``tokens`` takes (its request's or its tokens')."""
+        return max(self.seconds_per_request() or 0.0, (self.seconds_per_token() or 0.0) * int(tokens))
+
     def describe(self):
         parts = []
         if self.requests_per_minute:

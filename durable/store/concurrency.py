@@ -29,6 +29,7 @@ from ..core import concurrency as rules
 from ..exceptions import KeyBusy
 from ..models import ConcurrencyKey, Job
 from . import database
+from .records import JOBS_CHANNEL
 from .wakeups import settled_q
 
 # Seconds a job waiting for its key looks again if no finishing job wakes it first; a job
@@ -126,7 +127,9 @@ def wake(key):
     """
     holders = ConcurrencyKey.objects.filter(key=key).values_list("holders", flat=True).first() or {}
     head = (unfinished(key).filter(lease_owner__isnull=True, next_run_at__isnull=False).exclude(pk__in=list(holders))
-            .order_by("concurrency_seq").values_list("pk", flat=True).first())
-    if head is not None:
-        Job.objects.filter(pk=head, lease_owner__isnull=True, next_run_at__isnull=False).update(next_run_at=Now())
-    return head
+            .order_by("concurrency_seq").values_list("pk", "workflow").first())
+    if head is None:
+        return None
+    if Job.objects.filter(pk=head[0], lease_owner__isnull=True, next_run_at__isnull=False).update(next_run_at=Now()):
+        database.current().notify(JOBS_CHANNEL, head[1])  # idle workers are not counting down to it
+    return head[0]
