@@ -277,12 +277,17 @@ def throttled(job, now=None):
     names = named["names"].split(", ") if named else []
     rows = {row.name: row for row in Limit.objects.filter(name__in=[r.limit for r in held] + names)}
     limits = []
+    why_now = found[2] if found is not None else ""
     for reservation in held:
         row = rows.get(reservation.limit)
         paused = Limit.moment(row.paused_until) if row is not None else None
+        # Queued behind other runs for its turn to book (the limit's schedule is full as far
+        # ahead as it is booked), not for a call at once: the engine's words say which.
+        ahead = re.search(rf"limit {re.escape(reservation.limit)}: (\d+) calls queued before it", why_now)
         limits.append({
             "name": reservation.limit,
-            "queued": reservation.state == ReservationState.QUEUED,
+            "queued": reservation.state == ReservationState.QUEUED and ahead is None,
+            "queued_behind": int(ahead[1]) if ahead and reservation.state == ReservationState.QUEUED else None,
             "turn": reservation.starts_at if reservation.state == ReservationState.BOOKED else None,
             "tokens": reservation.tokens,
             "paused_until": paused if paused is not None and paused > now else None,
@@ -291,7 +296,7 @@ def throttled(job, now=None):
         # Refused by the provider: the limits its reason names, with their pause if still on.
         for name in names:
             paused = Limit.moment(rows[name].paused_until) if name in rows else None
-            limits.append({"name": name, "queued": False, "turn": None, "tokens": 0,
+            limits.append({"name": name, "queued": False, "queued_behind": None, "turn": None, "tokens": 0,
                            "paused_until": paused if paused is not None and paused > now else None})
     event, calls, why = found if found is not None else (None, None, "")
     # Not let in under its concurrency key yet (``durable.store.concurrency.admit``'s words):
@@ -304,6 +309,8 @@ def throttled(job, now=None):
         "limits": limits,
         # Its turn: the latest of its limits' moments; the job is due a little before it.
         "turn": turn,
+        # Waits in a limit's queue for its turn to book (see ``store.limits.HORIZON``).
+        "rate_queued": any(limit["queued_behind"] is not None for limit in limits),
         "turn_in": max((turn - now).total_seconds(), 0.0) if turn else None,
         "due": job.next_run_at,
         "due_in": max((job.next_run_at - now).total_seconds(), 0.0),

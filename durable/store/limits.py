@@ -341,7 +341,9 @@ def _queue_for_rate(spec, held, ahead, job_id, key, estimate, lease_token, prior
     limit = Limit.objects.filter(name=spec.name).values("requests_free", "tokens_free", "paused_until",
                                                          "booked_tokens").first() or {}
     ends = max([now.timestamp(), *(v for k, v in limit.items() if k != "booked_tokens" and v is not None)])
-    wait = max(0.0, ends - now.timestamp() - HORIZON) + (ahead + 1) * spec.spacing(limit.get("booked_tokens") or 0)
+    # Room to book comes when the schedule's end is within the horizon, one call's spacing
+    # later for each run before it.
+    wait = max(0.0, ends - now.timestamp() - HORIZON) + ahead * spec.spacing(limit.get("booked_tokens") or 0)
     paused = (limit.get("paused_until") or 0) > now.timestamp() + HORIZON
     return Decision(False, now + datetime.timedelta(seconds=max(QUEUED_MIN, wait)), now, ids=(held_id,), queued=True,
                     why=f"limit {spec.name}: {ahead} calls queued before it, of its priority ({priority}) or higher"
