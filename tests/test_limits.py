@@ -364,3 +364,38 @@ def test_runs_queued_in_the_same_millisecond_are_still_one_behind_the_other():
     Reservation.objects.filter(job_id__in=["first", "second"]).update(created=Now())
     Limit.objects.filter(pk="a").update(requests_free=F("requests_free") - 2)
     assert not store.reserve(specs, first.id, first.lease_token, "k", 10).queued
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_pipeline_step_that_calls_the_model_itself_waits_its_turn_and_runs_again_at_it(run_worker_inline):
+    with override_settings(DURABLE={"LIMITS": {"fake": {**LIMIT, "requests_per_minute": 20}}}), \
+            FakeModelServer([reply("Short.", usage=(12, 3))]) as server:
+        for n in range(3):
+            durable.submit("test_model_step", f"s{n}", {"model_url": server.url})
+        _drain_finished(run_worker_inline, ["s0", "s1", "s2"])
+        calls = server.paid_calls()
+    assert len(calls) == 3  # each step's call paid once, however often the step was handed back
+    turns = dict(Reservation.objects.values_list("job_id", "starts_at"))
+    moments = sorted(turns.values())
+    assert [(b - a).total_seconds() for a, b in zip(moments, moments[1:], strict=False)] == pytest.approx(
+        [3.0, 3.0], abs=0.01)
+    for call in calls:
+        job = call.body["messages"][0]["content"].split()[-1]
+        assert call.at >= turns[job].timestamp() - 0.05, (job, call.at, turns[job])
+    assert set(Reservation.objects.values_list("key", "state")) == {("summarise/model/1", ReservationState.SETTLED)}
+    assert JobEvent.objects.filter(message__contains="throttled until", step="summarise").count() >= 2
+    for job in Job.objects.filter(pk__in=["s0", "s1", "s2"]):
+        assert job.result == {"summary": "Short."}
+    # Waiting its turn is not a failed attempt: no retry, and every claim after a hand-back
+    # counts the same first attempt.
+    assert not JobEvent.objects.filter(kind__in=[EventKind.RETRY, EventKind.FAILED]).exists()
+    assert set(JobEvent.objects.filter(kind=EventKind.RECLAIMED).values_list("message", flat=True)) <= {
+        "taken over after it was handed back; attempt 1"}
+
+
+def _drain_finished(run_worker_inline, keys, timeout=30):
+    deadline = time.monotonic() + timeout
+    while Job.objects.filter(pk__in=keys, result__isnull=True).exists():
+        assert time.monotonic() < deadline, list(Job.objects.values_list("pk", "state", "next_run_at"))
+        run_worker_inline()
+        time.sleep(0.1)

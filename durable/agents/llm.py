@@ -198,6 +198,14 @@ class SDKAdapter:
             raise ModelReplyInvalid(f"unusable reply from {self.model}", raw=repr(response)[:2000]) from exc
 
 
+def in_step(adapter, messages, tools, params, call):
+    """``call()``, paced under the provider's limits when a step function makes it (see
+    ``durable.steps.limits.in_step``; imported here, so that this module loads without the models)."""
+    from ..steps.limits import in_step as paced_in_step
+
+    return paced_in_step(adapter, messages, tools, params, call)
+
+
 class OpenAIChat(SDKAdapter):
     """The OpenAI chat-completions API through the official ``openai`` client.
 
@@ -212,8 +220,8 @@ class OpenAIChat(SDKAdapter):
         request = {**self.defaults, **params, "model": self.model, "messages": messages}
         if tools:
             request["tools"] = tools
-        data = self.send(self.client.chat.completions.create, request)
-        return reply_from_completion(data, self.model, self.prices)
+        return in_step(self, messages, tools, params, lambda: reply_from_completion(
+            self.send(self.client.chat.completions.create, request), self.model, self.prices))
 
 
 def classify_status(status, retry_after_header, message):
@@ -283,8 +291,8 @@ class AnthropicMessages(SDKAdapter):
         if tools:
             request["tools"] = [{"name": t["function"]["name"], "description": t["function"].get("description", ""),
                                  "input_schema": t["function"]["parameters"]} for t in tools]
-        data = self.send(self.client.messages.create, request)
-        return reply_from_anthropic(data, self.model, self.prices)
+        return in_step(self, messages, tools, params, lambda: reply_from_anthropic(
+            self.send(self.client.messages.create, request), self.model, self.prices))
 
 
 def to_anthropic_messages(messages):

@@ -31,6 +31,7 @@ from ..core.workflows import Action, NeedsHuman, Wait, WaitingOn, registry
 from ..exceptions import LeaseLost, UnknownWorkflow
 from ..models import EventKind, StepResult
 from ..signals import job_finished, step_finished, step_started
+from ..steps import limits as pacing
 from ..steps.context import Context
 from ..store import concurrency, locking, moves
 from . import turns
@@ -228,13 +229,10 @@ class Runner:
         began = time.monotonic()
         self._watch(started)
         try:
-            returned = started.workflow.call_step(step, data, ctx)
-        except NeedsHuman as signal_:
-            return self.needs_human(started, signal_.reason)
-        except Wait as signal_:
-            return self._wait(started, signal_)
-        except WaitingOn as waiting:
-            return self.suspend(started, waiting)
+            with pacing.step_calls(claimed.id, claimed.lease_token, step.name):  # its model calls are paced
+                returned = started.workflow.call_step(step, data, ctx)
+        except (NeedsHuman, Wait, WaitingOn, pacing.Throttled) as signal_:
+            return self._signalled(started, signal_)
         except LeaseLost:
             self.lost(started)
             return None
@@ -258,6 +256,18 @@ class Runner:
             # Deterministic: the same code would produce the same output again.
             return self.fail_step(started, type(exc)(f"step output refused, it is not storable JSON: {exc}"), 0)
         return self.complete(started, output, cost, duration, output_json=output_json)
+
+    def _signalled(self, started, signal_):
+        """A step stopped to wait: for a person, a time, a signal, children, or a model call's turn
+        under a provider limit (the job is handed back, and the step runs again at its turn)."""
+        if isinstance(signal_, NeedsHuman):
+            return self.needs_human(started, signal_.reason)
+        if isinstance(signal_, Wait):
+            return self._wait(started, signal_)
+        if isinstance(signal_, WaitingOn):
+            return self.suspend(started, signal_)
+        turns.hand_back(self, started, 0, signal_.until, signal_.why)
+        return None
 
     def _watch(self, started):
         """The step begins: its lease is renewed and it is timed; it waits on no connection."""
@@ -372,8 +382,7 @@ class Runner:
         )
         then_claim = (self.owner, self.workflows, self.queues, self._refresh_starts()) if chain else None
         if terminal and (claimed.parent_id is not None or claimed.concurrency_key is not None):
-            # A child's finishing transaction wakes its parent's join when it is the last,
-            # and a job of a concurrency key the next job waiting for the key.
+            # The finishing transaction wakes a parent's join, or the next job of a concurrency key.
             from ..steps.children import wake_parent
 
             with transaction.atomic():

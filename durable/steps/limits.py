@@ -10,6 +10,8 @@ settles the reservation; a 429 pauses the limit for every worker until its Retry
 and the run waits throttled again, without spending an attempt.
 """
 
+import contextlib
+import contextvars
 import datetime
 import logging
 import time
@@ -30,6 +32,11 @@ SHORT_WAIT = 2.5
 LEAD = 2.0
 # A 429 without a Retry-After pauses its limit this long.
 DEFAULT_PAUSE = 1.0
+
+
+# The step function running in this thread, while it runs: a model adapter called from it
+# paces its calls as an agent's are (``in_step``).
+_STEP = contextvars.ContextVar("durable_step", default=None)
 
 
 class Throttled(Exception):  # noqa: N818 - a signal, not an error
@@ -111,3 +118,36 @@ def paced(adapter, messages, tools, params, call, *, job_id, lease_token, key, r
     store.settle(decision.ids, int(getattr(reply, "input_tokens", 0) or 0),
                  int(getattr(reply, "output_tokens", 0) or 0), specs)
     return reply
+
+
+@contextlib.contextmanager
+def step_calls(job_id, lease_token, step):
+    """While a step function of job ``job_id`` runs: its model calls are paced (``in_step``)."""
+    token = _STEP.set({"job_id": job_id, "lease_token": lease_token, "step": step, "calls": 0})
+    try:
+        yield
+    finally:
+        _STEP.reset(token)
+
+
+def in_step(adapter, messages, tools, params, call):
+    """A model adapter's call: from a step function, paced under the limits that cover it.
+
+    Its calls are keyed by their order in the step (``<step>/model/<n>``), so the step run
+    again after a throttle finds the turn its call booked. A call whose turn is far hands
+    the job back (``Throttled``, which the runner acts on): the step runs again from the
+    top at its turn, as after any interruption. An agent's calls are paced by its run
+    (``paced``), not here.
+    """
+    here = _STEP.get()
+    if here is None:
+        return call()
+    here["calls"] += 1
+    provider = getattr(adapter, "provider", None) or getattr(adapter, "sdk", "")
+    if not covering(provider, str(getattr(adapter, "model", "") or ""), getattr(adapter, "limits", ())):
+        return call()
+    from ..models import Job
+
+    priority = Job.objects.filter(pk=here["job_id"]).values_list("priority", flat=True).first() or 0
+    return paced(adapter, messages, tools, params, call, job_id=here["job_id"], lease_token=here["lease_token"],
+                 key=f"{here['step']}/model/{here['calls']}", priority=priority)

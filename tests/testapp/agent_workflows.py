@@ -12,7 +12,7 @@ import os
 import time
 from decimal import Decimal
 
-from durable import Action, Retry
+from durable import Action, Retry, Workflow, step
 from durable.agents import AgentWorkflow, ToolError, tool
 from durable.llm import OpenAIChat
 from durable.testing import ScriptedModel
@@ -116,6 +116,18 @@ class RejectingAgent(SupportAgent):
 
     name = "test_agent_rejecting"
     when_busy = "reject"
+
+
+class ModelStep(Workflow):
+    """A pipeline step that calls the model itself (not an agent): paced under the limits too."""
+
+    name = "test_model_step"
+
+    @step(timeout=30)
+    def summarise(self, payload, ctx):
+        model = _http_model(payload["model_url"])
+        reply = model.complete([{"role": "user", "content": f"Summarise {ctx.job_id}"}])
+        return {"summary": reply.text}
 
 
 class LongAgent(SupportAgent):
