@@ -180,12 +180,19 @@ LEARNING = 0.2
 RATIO_BOUNDS = (0.05, 4.0)
 
 
+def learning(estimate, input_tokens):
+    """How a call estimated at ``estimate`` tokens that used ``input_tokens`` moves the ratio:
+    ``(keep, add)``, the new ratio being ``ratio * keep + add`` (the store applies it in SQL)."""
+    if estimate <= 0 or input_tokens <= 0:
+        return 1.0, 0.0
+    seen = min(max(input_tokens / estimate, RATIO_BOUNDS[0]), RATIO_BOUNDS[1])
+    return 1 - LEARNING, LEARNING * seen
+
+
 def learn(ratio, estimate, input_tokens):
     """The limit's ratio once a call estimated at ``estimate`` tokens used ``input_tokens``."""
-    if estimate <= 0 or input_tokens <= 0:
-        return ratio
-    seen = min(max(input_tokens / estimate, RATIO_BOUNDS[0]), RATIO_BOUNDS[1])
-    return (1 - LEARNING) * ratio + LEARNING * seen
+    keep, add = learning(estimate, input_tokens)
+    return ratio * keep + add
 
 
 @dataclass(frozen=True)

@@ -370,13 +370,8 @@ def _close(ids, state, specs, *, used=None, input_tokens=0, pause=None, message=
         spec = specs.get(row.limit)
         calling = row.state == ReservationState.CALLING
         per_token = spec.seconds_per_token() if spec is not None else None
-        keep = 1.0
-        seen = 0.0
-        if input_tokens and calling and row.estimate:
-            # The provider's count beside the estimate teaches the limit its ratio.
-            keep = 1 - rules.LEARNING
-            seen = rules.LEARNING * min(max(input_tokens / row.estimate, rules.RATIO_BOUNDS[0]),
-                                        rules.RATIO_BOUNDS[1])
+        # The provider's count beside the estimate teaches the limit its ratio.
+        keep, seen = rules.learning(row.estimate, input_tokens) if calling else (1.0, 0.0)
         if calling and ((used is not None and per_token is not None) or seen):
             with connection.cursor() as cursor:
                 cursor.execute(SETTLE, [per_token or 0.0, row.tokens, row.tokens if used is None else used,
