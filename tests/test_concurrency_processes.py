@@ -46,7 +46,9 @@ def active_spans(calls):
 @pytest.mark.parametrize("kills", [0, 2], ids=["steady", "sigkill"])
 def test_one_writer_per_conversation_holds_across_processes_and_kills(workers, tmp_path, kills):
     rng = random.Random(5)
-    with FakeModelServer(LOOKUP_THEN_ANSWER, latency=0.15) as server:
+    # Each run takes about a second (two model calls of 0.4 s), a conversation five of them
+    # one after the other: long enough for the kills to land mid-conversation.
+    with FakeModelServer(LOOKUP_THEN_ANSWER, latency=0.4) as server:
         # Messages arrive interleaved across conversations, as from many people at once.
         for m in range(MESSAGES):
             for c in range(CONVERSATIONS):
@@ -57,10 +59,10 @@ def test_one_writer_per_conversation_holds_across_processes_and_kills(workers, t
         from tests.drills.lab import children
 
         killed = 0
-        while killed < kills:
-            time.sleep(2.0)
+        while killed < kills and Job.objects.exclude(state="done").count() > CONVERSATIONS:
+            time.sleep(1.5)
             pids = children(proc.pid)
-            if pids and Job.objects.exclude(state="done").count() > 10:
+            if pids:
                 os.kill(rng.choice(pids), signal.SIGKILL)
                 killed += 1
         total = CONVERSATIONS * MESSAGES
