@@ -17,7 +17,7 @@ from durable.agents.tools import grant
 from durable.core.workflows import registry
 from durable.exceptions import OperatorError
 from durable.models import Approval, ApprovalStatus, EventKind, JobEvent, Outbox, StepResult
-from durable.testing import FakeModelServer, reply, tool_call
+from durable.testing import FakeModelServer, ScriptedModel, reply, tool_call
 
 from .test_actions_support import in_state, job, posts
 
@@ -218,6 +218,26 @@ def test_repeat_gives_a_counter_only_where_asked(run_worker_inline):
         assert [m[0] for m in memos("c")] == ["poll", "poll#2", "poll#3"]
     finally:
         registry.unregister("agent_counted")
+
+
+def test_a_run_reads_what_its_recorded_calls_cost_so_far(run_worker_inline):
+    class Thrifty(AgentWorkflow):
+        name = "agent_thrifty"
+
+        def get_model(self, ctx):
+            return ScriptedModel([say("Hello.", cost="0.25"), say("Again.", cost="0.5")])
+
+        def run(self, ctx, payload):
+            before = ctx.spent
+            ctx.model([{"role": "user", "content": "Hi"}], key="first")
+            return {"before": str(before), "after": str(ctx.spent)}
+
+    try:
+        durable.submit("agent_thrifty", "t", {})
+        run_worker_inline()
+        assert job("t").result == {"before": "0", "after": "0.25"}
+    finally:
+        registry.unregister("agent_thrifty")
 
 
 # Bounds ----------------------------------------------------------------------------------

@@ -358,14 +358,6 @@ class AgentContext:
         return join(self, children, timeout, key=self._run.use_key(key, repeat))
 
     @property
-    def check_key(self):
-        """Before a model call: a job submitted later under the run's concurrency key may interrupt it."""
-        claimed = self.claimed
-        if claimed.concurrency_key is not None:
-            turn = concurrency.admit(claimed.id, claimed.concurrency_key, claimed.concurrency_seq)
-            if turn.interrupted_by is not None:
-                raise Interrupted(turn.interrupted_by)
-
     def spent(self):
         """The money this job's recorded calls cost so far (the budget's ledger)."""
         return self._run.spent()
