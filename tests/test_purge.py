@@ -190,3 +190,18 @@ def test_purge_leaves_events_of_kept_jobs_alone(finished):
     before = JobEvent.objects.filter(job_id="young", kind=EventKind.SUBMITTED).count()
     services.purge("90d")
     assert JobEvent.objects.filter(job_id="young", kind=EventKind.SUBMITTED).count() == before == 1
+
+
+def test_purge_deletes_concurrency_keys_no_job_carries_any_more(run_worker_inline):
+    from durable.models import ConcurrencyKey
+
+    for key, conversation in (("old-1", "conversation:1"), ("kept", "conversation:2")):
+        services.submit("test_pipeline", key, {"doc": "some text"}, concurrency_key=conversation)
+    run_worker_inline()
+    age(["old-1"], 100)
+    ConcurrencyKey.objects.update(updated=timezone.now() - 100 * DAY)
+    done = services.purge("90d")
+    assert done.jobs == 1 and done.rows["durable.ConcurrencyKey"] == 1
+    # The key of a job still kept stays; the other is made again by its next submit, from 1.
+    assert list(ConcurrencyKey.objects.values_list("key", flat=True)) == ["conversation:2"]
+    assert services.submit("test_pipeline", "new-1", {"doc": "x"}, concurrency_key="conversation:1").concurrency_seq == 1

@@ -56,9 +56,12 @@ GO = Turn(True)
 def enter(job_id, key, policy):
     """Number the new job ``job_id`` under ``key``, in the submit's transaction (see module doc)."""
     limit = rules.limit_for(key, durable_settings.CONCURRENCY)
-    ConcurrencyKey.objects.get_or_create(key=key)
-    # The row's lock is held from here to the commit: submits of one key take turns.
-    ConcurrencyKey.objects.filter(key=key).update(last_seq=F("last_seq") + 1, limit=limit, updated=Now())
+    # The row's lock is held from the update to the commit: submits of one key take turns.
+    # (A purge may delete an idle key's row between the two: it is made again.)
+    while True:
+        ConcurrencyKey.objects.get_or_create(key=key)
+        if ConcurrencyKey.objects.filter(key=key).update(last_seq=F("last_seq") + 1, limit=limit, updated=Now()):
+            break
     seq = ConcurrencyKey.objects.filter(key=key).values_list("last_seq", flat=True).get()
     if policy == rules.REJECT:
         active = list(unfinished(key).exclude(pk=job_id).order_by("concurrency_seq")

@@ -13,7 +13,7 @@ from django.db.models import Q
 
 from ..conf import durable_settings
 from ..core.workflows import registry
-from ..models import Job, Outbox, ScheduleEvent, StepResult
+from ..models import ConcurrencyKey, Job, Outbox, ScheduleEvent, StepResult
 from ..store import locking
 from ..store.ledger import keep_costs as keep_memo_costs
 
@@ -87,6 +87,7 @@ def purge(older_than, *, batch_size=500, keep_costs=None, workflow=None, dry_run
         if not ids:
             if workflow is None:
                 _purge_schedule_events(older_than, batch_size, result)
+                _purge_idle_keys(older_than, batch_size, result)
             return result
         with transaction.atomic():
             # The costs stay in the per-minute rollups (or leave them, without keep).
@@ -113,6 +114,24 @@ def _purge_schedule_events(older_than, batch_size, result):
         label = ScheduleEvent._meta.label
         result.rows[label] = result.rows.get(label, 0) + deleted
         result.batches += 1
+
+
+def _purge_idle_keys(older_than, batch_size, result):
+    """Concurrency keys no job carries any more, unchanged since the cutoff, go too (a submit
+    under such a key makes its row again, numbering its jobs from 1)."""
+    cutoff = locking.db_now() - older_than
+    carried = Job.objects.filter(concurrency_key__isnull=False).values("concurrency_key")
+    while True:
+        keys = list(ConcurrencyKey.objects.filter(updated__lt=cutoff).exclude(key__in=carried)
+                    .order_by("key").values_list("pk", flat=True)[:batch_size])
+        if not keys:
+            return
+        deleted, _ = ConcurrencyKey.objects.filter(pk__in=keys).exclude(key__in=carried).delete()
+        label = ConcurrencyKey._meta.label
+        result.rows[label] = result.rows.get(label, 0) + deleted
+        result.batches += 1
+        if deleted < len(keys):
+            return  # a key taken again meanwhile stays; the next purge looks again
 
 
 __all__ = ["Purged", "parse_age", "purge", "purgeable"]
