@@ -204,4 +204,5 @@ def test_purge_deletes_concurrency_keys_no_job_carries_any_more(run_worker_inlin
     assert done.jobs == 1 and done.rows["durable.ConcurrencyKey"] == 1
     # The key of a job still kept stays; the other is made again by its next submit, from 1.
     assert list(ConcurrencyKey.objects.values_list("key", flat=True)) == ["conversation:2"]
-    assert services.submit("test_pipeline", "new-1", {"doc": "x"}, concurrency_key="conversation:1").concurrency_seq == 1
+    again = services.submit("test_pipeline", "new-1", {"doc": "x"}, concurrency_key="conversation:1")
+    assert again.concurrency_seq == 1
