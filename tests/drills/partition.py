@@ -214,8 +214,10 @@ def _worker_cut(lab, net, hosts, size, round_):
     # step the heartbeat abandons and a commit in flight.
     host = min(inside, key=lambda h: (inside[h] != 1, h != preferred, h))
     keys += lab.submit(size.jobs, prefix=f"r{round_}-work", work=WORK)
+    # Not longer than a lease: the long step (three leases) must still be running at the cut,
+    # whether or not a short one reached this host by then (on a loaded machine it may not).
     _wait(lambda: any(p[1].startswith(f"r{round_}-work") and int(p[4]) in hosts.pids(host)
-                      for p in _exec_lines(lab.exec_log)), 10, 0.02)
+                      for p in _exec_lines(lab.exec_log)), LEASE, 0.02)
     time.sleep(WORK / 2)
     cut = _cut(net, hosts, "worker host", host, None)
     time.sleep(LEASE + 0.5)
