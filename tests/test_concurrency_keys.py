@@ -21,6 +21,7 @@ from durable.testing import reply, tool_call
 from durable.verbs import jobs as verbs
 
 from .conftest import wait_for
+from .test_limits import claim as _claim
 
 ANSWER = [reply("Done.", usage=(10, 2))]
 
@@ -106,13 +107,6 @@ def test_jobs_of_a_key_are_numbered_in_the_order_submitted_and_a_resubmit_must_n
 
 
 # Letting jobs in -----------------------------------------------------------------------------------
-
-
-def _claim(key):
-    claimed = locking.claim_job("w", 60)
-    while claimed is not None and claimed.id != key:
-        claimed = locking.claim_job("w", 60)
-    return claimed
 
 
 @pytest.mark.django_db(transaction=True)

@@ -111,12 +111,17 @@ def test_the_ratio_of_the_provider_s_count_to_the_estimate_is_learnt_from_the_ca
 # The rows ---------------------------------------------------------------------------------------
 
 
-def _job(key):
-    durable.submit("recorded", key, {})
+def claim(key):
+    """Claim jobs until the claim is the job ``key``'s (the others are leased meanwhile)."""
     claimed = locking.claim_job("w", 60)
     while claimed is not None and claimed.id != key:
         claimed = locking.claim_job("w", 60)
     return claimed
+
+
+def _job(key):
+    durable.submit("recorded", key, {})
+    return claim(key)
 
 
 @pytest.mark.django_db(transaction=True)
