@@ -29,8 +29,7 @@ from ..core import concurrency as rules
 from ..exceptions import KeyBusy
 from ..models import ConcurrencyKey, Job
 from . import database
-from .records import JOBS_CHANNEL
-from .wakeups import settled_q
+from .wakeups import settled_q, wake_parked
 
 # Seconds a job waiting for its key looks again if no finishing job wakes it first; a job
 # further back looks less often (see ``_recheck``), up to RECHECK_MAX.
@@ -133,6 +132,5 @@ def wake(key):
             .order_by("concurrency_seq").values_list("pk", "workflow").first())
     if head is None:
         return None
-    if Job.objects.filter(pk=head[0], lease_owner__isnull=True, next_run_at__isnull=False).update(next_run_at=Now()):
-        database.current().notify(JOBS_CHANNEL, head[1])  # idle workers are not counting down to it
+    wake_parked(*head)
     return head[0]

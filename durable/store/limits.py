@@ -30,7 +30,7 @@ from django.db.models.functions import Now
 from ..core import limits as rules
 from ..models import Job, Limit, Reservation, ReservationState
 from . import database
-from .records import JOBS_CHANNEL
+from .wakeups import wake_parked
 
 # A booked moment missed by more than its limit allows (``LimitSpec.late_allowed``: the
 # slack its headroom leaves in the provider's window) passed unused: the run was away
@@ -415,19 +415,14 @@ def release(ids, specs):
 
 
 def wake_queued(name):
-    """Make the job that queued longest for limit ``name`` due now (highest priority first).
-
-    Idle workers are told at once (on PostgreSQL, a NOTIFY when the wake commits): a job
-    made due by another process is not one they are counting down to.
-    """
+    """Make the job that queued longest for limit ``name`` due now (highest priority first)."""
     # Only a run still parked: a job cancelled or finished meanwhile keeps its row but no turn,
     # and one already due (woken by the call before) is not woken twice.
     head = (Reservation.objects.filter(limit=name, state=ReservationState.QUEUED, job__lease_owner__isnull=True,
                                        job__next_run_at__gt=Now())
             .order_by("-priority", "pk").values_list("job_id", "job__workflow").first())
-    if head is not None and Job.objects.filter(pk=head[0], lease_owner__isnull=True,
-                                               next_run_at__gt=Now()).update(next_run_at=Now()):
-        database.current().notify(JOBS_CHANNEL, head[1])
+    if head is not None:
+        wake_parked(*head)
 
 
 def paused_until(names):

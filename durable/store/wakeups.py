@@ -2,8 +2,10 @@
 
 A job parked on a wait (``Job.awaiting``) is made due by ``wake``: for a signal of that
 wait's name (``durable.steps.inbox``), or for a join by the transaction that finishes the last
-of the children it waits for (``wake_parent``, which ``locking.transition`` calls). Part
-of the store: it writes in its caller's transaction and imports nothing above the store.
+of the children it waits for (``wake_parent``, which ``locking.transition`` calls). A job
+handed back until later (throttled under a provider limit or its concurrency key) is made
+due now by ``wake_parked``. Part of the store: it writes in its caller's transaction and
+imports nothing above the store.
 """
 
 from django.db.models import Q
@@ -20,6 +22,18 @@ def wake(job_id, key, workflow):
     """Compare-and-swap a job parked on the wait ``key`` to due now; True if this call did it."""
     woke = bool(Job.objects.filter(pk=job_id, awaiting=key).update(next_run_at=Now(), awaiting=""))
     if woke:
+        database.current().notify(JOBS_CHANNEL, workflow)
+    return woke
+
+
+def wake_parked(job_id, workflow):
+    """Make a job handed back until later (throttled: no lease, due in the future) due now;
+    True if this call did it. A job already due or running is left as it is."""
+    woke = bool(Job.objects.filter(pk=job_id, lease_owner__isnull=True, next_run_at__gt=Now())
+                .update(next_run_at=Now()))
+    if woke:
+        # Idle workers are told at once: a job made due by another process is not one
+        # they are counting down to.
         database.current().notify(JOBS_CHANNEL, workflow)
     return woke
 
@@ -101,4 +115,4 @@ def wake_parent(parent_id, child):
     return woke
 
 
-__all__ = ["EVERY_CHILD", "open_children", "settled_q", "terminal_q", "wake", "wake_parent"]
+__all__ = ["EVERY_CHILD", "open_children", "settled_q", "terminal_q", "wake", "wake_parent", "wake_parked"]
