@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from django.db.models import F
 from django.db.models.functions import Now
 
-from ..conf import durable_settings
 from ..core import concurrency as rules
 from ..exceptions import KeyBusy
 from ..models import ConcurrencyKey, Job
@@ -52,9 +51,9 @@ class Turn:
 GO = Turn(True)
 
 
-def enter(job_id, key, policy):
-    """Number the new job ``job_id`` under ``key``, in the submit's transaction (see module doc)."""
-    limit = rules.limit_for(key, durable_settings.CONCURRENCY)
+def enter(job_id, key, limit, policy):
+    """Number the new job ``job_id`` under ``key`` (``limit`` jobs at once), in the submit's
+    transaction (see module doc)."""
     # The row's lock is held from the update to the commit: submits of one key take turns.
     # (A purge may delete an idle key's row between the two: it is made again.)
     while True:

@@ -81,8 +81,9 @@ def submit(workflow, key, payload, *, run_after=None, queue="default", submitted
         raise PayloadInvalid("The queue must be a non-empty string of at most 100 characters")
     check_priority(priority)
     concurrency.check_key(concurrency_key)
-    if concurrency_key is not None:
-        concurrency.limit_for(concurrency_key, durable_settings.CONCURRENCY)  # a key no pattern covers: said now
+    # A key no pattern covers is refused here, before anything is written.
+    at_once = None if concurrency_key is None else concurrency.limit_for(concurrency_key,
+                                                                         durable_settings.CONCURRENCY)
     payload_json = normalise_payload(payload, as_json=True)
     lead = head_start(priority)
     state, by = definition.table.initial, str(submitted_by or "")
@@ -96,7 +97,7 @@ def submit(workflow, key, payload, *, run_after=None, queue="default", submitted
             payload_json=payload_json, run_after=run_after, submitted_by=by,
             message=f"{definition.name} v{definition.version}", priority=priority, head_start=lead,
         )
-        seq = keyed_jobs.enter(key, concurrency_key, definition.when_busy) if keyed and stamps else None
+        seq = keyed_jobs.enter(key, concurrency_key, at_once, definition.when_busy) if keyed and stamps else None
     payload = json.loads(payload_json)
     if stamps is None:
         existing = Job.objects.filter(pk=key).first()
