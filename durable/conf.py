@@ -60,6 +60,14 @@ DEFAULTS = {
     # (submit(..., concurrency_key="conversation:7")) may be active at once, e.g.
     # {"tenant:*": 5, "conversation:*": 1}. A key no pattern covers is refused at submit.
     "CONCURRENCY": {},
+    # Budgets by pattern (durable.core.budgets): money a tenant ("tenant:*", matched by a
+    # job's budget key) or a workflow ("workflow:support-agent") may spend per day, per
+    # month or at all, in CURRENCY: {"tenant:*": {"amount": "20", "period": "day"}}. Each
+    # model call's worst case is reserved before it goes: spend never passes a budget.
+    "BUDGETS": {},
+    # Seconds a cached model reply (ctx.model(..., cache=True)) or a cached read-only
+    # tool's result (@tool(cache=True)) is reused by other jobs.
+    "CACHE_TTL": 24 * 3600,
     # Seconds a SIGTERMed worker gets to finish its current step before it is killed.
     "SHUTDOWN_GRACE": 30.0,
     # Default number of worker processes (None: the CPU count).

@@ -108,9 +108,14 @@ class RateLimited(RetryableError):
     waits throttled instead of spending an attempt.
     """
 
+    billed = False  # a budget gives the call's reservation back (durable.store.budgets)
+
 
 class PermanentError(DurableError):
     """A deterministic failure (poison): retrying cannot help, the job goes to its failed state."""
+
+    # From a model call: the provider refused the request (4xx), so it billed nothing.
+    billed = False
 
 
 class StepTimeout(RetryableError):

@@ -107,6 +107,9 @@ class Tool:
     approval_expiry: float | None = None
     retry: Retry = field(default_factory=Retry)
     prepared_from: object = None  # a callable (ctx, arguments), or a tuple of tool names
+    # A read-only tool whose result other jobs may reuse for the same arguments: True (for
+    # DURABLE["CACHE_TTL"]) or seconds (``durable.store.cache``).
+    cache: object = None
 
     @property
     def is_action(self):
@@ -152,7 +155,7 @@ def _sources(prepared_from, tool_name):
 
 
 def tool(func=None, *, name=None, description=None, schema=None, action=None, approval=False,
-         many=False, on_reject="note", approval_expiry=None, retry=None, prepared_from=None):
+         many=False, on_reject="note", approval_expiry=None, retry=None, prepared_from=None, cache=None):
     """Declare a function ``f(ctx, **arguments)`` as a tool (usable bare or with arguments).
 
     Its schema comes from the type hints and docstring (``durable.toolschema``);
@@ -166,6 +169,16 @@ def tool(func=None, *, name=None, description=None, schema=None, action=None, ap
         tool_name = name or f.__name__
         if approval and not action:
             raise ImproperlyConfigured(f"tool {tool_name}: only an action tool needs approval")
+        if cache not in (None, False) and action:
+            raise ImproperlyConfigured(f"tool {tool_name}: an action is never cached (its result is"
+                                       " what the receiver did); only a read-only tool may be")
+        if cache not in (None, False):
+            from ..store.cache import ttl_of
+
+            try:
+                ttl_of(cache)
+            except ValueError as exc:
+                raise ImproperlyConfigured(f"tool {tool_name}: {exc}") from None
         if prepared_from is not None and not approval:
             raise ImproperlyConfigured(f"tool {tool_name}: prepared_from is checked before an"
                                        " approved call is sent; the tool needs approval")
@@ -178,7 +191,7 @@ def tool(func=None, *, name=None, description=None, schema=None, action=None, ap
             kind=(action if isinstance(action, str) else tool_name) if action else None,
             approval=approval, many=many, on_reject=on_reject,
             approval_expiry=approval_expiry, retry=retry or Retry(),
-            prepared_from=_sources(prepared_from, tool_name),
+            prepared_from=_sources(prepared_from, tool_name), cache=cache,
         )
 
     return wrap(func) if func is not None else wrap

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 
 from ..conf import durable_settings
+from ..core.budgets import price_entry
 from ..core.retry import parse_retry_after
 from ..exceptions import PermanentError, RateLimited, RetryableError
 
@@ -105,12 +106,9 @@ def _decimal(value, what):
 def price_cost(model, input_tokens, output_tokens, prices=None):
     """``(cost, how)`` from the price table; ``how`` is "table" or "unpriced"."""
     table = durable_settings.MODEL_PRICES if prices is None else prices
-    entry = table.get(model)
-    if entry is None:
-        # Providers answer with a dated name ("gpt-4o-mini-2024-07-18"): match the
-        # longest table entry the answered name starts with.
-        matches = [name for name in table if model.startswith(name)]
-        entry = table[max(matches, key=len)] if matches else None
+    # Providers answer with a dated name ("gpt-4o-mini-2024-07-18"): the longest table
+    # entry the answered name starts with prices it.
+    entry = price_entry(model, table)
     if entry is None:
         return Decimal("0"), "unpriced"
     input_price = _decimal(entry.get("input", 0), f"MODEL_PRICES[{model!r}]['input']")
@@ -229,7 +227,9 @@ def classify_status(status, retry_after_header, message):
     if status == 429:
         return RateLimited(f"HTTP {status}: {message}", retry_after=parse_retry_after(retry_after_header))
     if status >= 500:
-        return RetryableError(f"HTTP {status}: {message}", retry_after=parse_retry_after(retry_after_header))
+        error = RetryableError(f"HTTP {status}: {message}", retry_after=parse_retry_after(retry_after_header))
+        error.billed = False  # the provider failed the request: nothing to pay (a budget releases it)
+        return error
     return PermanentError(f"HTTP {status}: {message}")
 
 

@@ -16,7 +16,10 @@ import logging
 import time
 from decimal import Decimal
 
+from django.db import transaction
+
 from .. import faults
+from ..core import budgets as budget_rules
 from ..core.concurrency import Interrupted
 from ..core.formats import money
 from ..core.identity import storable_json
@@ -25,10 +28,12 @@ from ..core.outcomes import Interrupted as InterruptedOutcome
 from ..core.outcomes import Throttled as ThrottledOutcome
 from ..core.retry import scrub
 from ..core.workflows import NeedsHuman, Output, WaitingOn
-from ..exceptions import LeaseLost
+from ..conf import durable_settings
+from ..exceptions import LeaseLost, PermanentError
 from ..models import EventKind, Job, JobEvent, MemoKind, StepResult
 from ..steps.limits import Throttled, paced
-from ..store import concurrency, locking
+from ..store import budgets, concurrency, locking
+from ..store import cache as call_cache
 from . import tools as agent_actions
 from .base import RUNNING, Divergence, Draining, DuplicateKey, Suspended, ToolError, parsed
 from .llm import ModelReply, ModelReplyInvalid
@@ -78,6 +83,7 @@ class AgentRun:
         self.budget = workflow.budget
         self.changed = []  # keys whose input fingerprint differs from the memo's
         self.priority = 0  # the job's: it orders the runs waiting for a provider limit's slot
+        self.scopes = ()  # the budgets that cover the run (durable.store.budgets.Scope)
         self.ctx = AgentContext(self)
 
     # Loading -----------------------------------------------------------------------
@@ -90,12 +96,14 @@ class AgentRun:
             memo = Memo(*row)
             self.memos[memo.key] = memo
             self.seq = max(self.seq, memo.seq)
-        limit, budget, self.priority = Job.objects.filter(pk=self.claimed.id).values_list(
-            "turn_limit", "budget", "priority").first() or (None, None, 0)
+        limit, budget, self.priority, budget_key = Job.objects.filter(pk=self.claimed.id).values_list(
+            "turn_limit", "budget", "priority", "budget_key").first() or (None, None, 0, "")
         if limit is not None:
             self.turn_limit = limit
         if budget is not None:
             self.budget = _money(budget)
+        self.scopes = budgets.scopes_for(self.claimed.id, self.workflow.name,
+                                         budgets.key_of(budget_key, self.claimed.concurrency_key), self.budget)
 
     def check_key(self):
         """Before a model call: a job submitted later under the run's concurrency key may interrupt it."""
@@ -254,8 +262,13 @@ class AgentRun:
         return self.commit(key, kind, name, fp, output, turn=turn, duration=duration, **extra)
 
     def commit(self, key, kind, name, fp, output, *, turn, duration, cost=Decimal(0),
-               input_tokens=0, output_tokens=0, model=""):
-        """Write one memo with the job's progress: one transaction, fenced by the lease."""
+               input_tokens=0, output_tokens=0, model="", holds=(), hit=None, keep=None):
+        """Write one memo with the job's progress: one transaction, fenced by the lease.
+
+        The call's budget holds settle to its cost in that transaction (money recorded
+        without a hold, a tool's, is added to the run's budgets); a cache hit ``(cache key,
+        cost saved)`` records what it saved there too.
+        """
         try:
             output_json = storable_json(output)
             cost = _money(cost)
@@ -267,19 +280,36 @@ class AgentRun:
         lease = self.seat.lease_seconds
         faults.point("agent_before_memo")
         renewed_at = time.monotonic()
-        ok = (self.seat.commit_memo or locking.commit_memo)(
-            self.claimed, RUNNING, lease, json.dumps({"turn": turn, "key": key, "calls": self.seq}),
-            locking.MemoCommit(
-                key=key, kind=str(kind), name=name[:100], seq=self.seq, turn=turn,
-                fingerprint=fp or "", output_json=output_json, cost=cost,
-                input_tokens=int(input_tokens or 0), output_tokens=int(output_tokens or 0),
-                model=(model or "")[:100], duration=duration, attempt=self.started.attempt,
-                workflow=self.workflow.name,
-            ),
+        memo = locking.MemoCommit(
+            key=key, kind=str(kind), name=name[:100], seq=self.seq, turn=turn,
+            fingerprint=fp or "", output_json=output_json, cost=cost,
+            input_tokens=int(input_tokens or 0), output_tokens=int(output_tokens or 0),
+            model=(model or "")[:100], duration=duration, attempt=self.started.attempt,
+            workflow=self.workflow.name,
         )
+        progress = json.dumps({"turn": turn, "key": key, "calls": self.seq})
+        commit_memo = self.seat.commit_memo or locking.commit_memo
+        money = holds or hit is not None or (cost and self.scopes)
+        if not money:
+            ok = commit_memo(self.claimed, RUNNING, lease, progress, memo)
+        else:
+            # Settled with the memo: both, or (fenced out) neither. Outside the group commit.
+            rows = budgets.current_rows(self.scopes) if cost and not holds and self.scopes else None
+            with transaction.atomic():
+                ok = commit_memo(self.claimed, RUNNING, lease, progress, memo)
+                if ok:
+                    budgets.settle(holds, cost, rows)
+                    if hit is not None:
+                        call_cache.record_hit(hit[0], self.claimed.id, key, hit[1])
         if not ok:
+            if holds:  # the reply came: the provider billed it, memo or not
+                budgets.settle(holds, cost)
             raise LeaseLost(f"lost the lease of job {self.claimed.id} before {key!r} committed")
         self._restart_timeout(renewed_at)  # the commit set the lease afresh
+        if keep is not None:  # a paid reply other jobs may reuse (durable.store.cache)
+            call_cache.keep(keep[0], kind=str(kind), name=name, output=json.loads(output_json), cost=cost,
+                            input_tokens=input_tokens, output_tokens=output_tokens, model=model,
+                            job=self.claimed.id, ttl=keep[1])
         faults.point("agent_after_memo")
         # The call succeeded: the next one starts its own count of attempts.
         self.started.attempt = self.claimed.attempts = 1
@@ -299,11 +329,42 @@ class AgentRun:
                              " grant more turns to let it go on")
 
     def check_budget(self):
+        """The run's own budget, for a model without a price (its worst case unknown): the
+        call goes while the memos spent less than the budget (so it may end one call over)."""
         spent = self.spent()
         if self.budget is not None and spent >= self.budget:
             raise NeedsHuman(f"budget: the run spent {money(spent)} of its budget of"
                              f" {money(self.budget)};"
                              " grant more budget to let it go on")
+
+    def reserve(self, adapter, name, messages, tools, params, key):
+        """Before a model call: its worst case held on every budget that covers the run.
+
+        The holds' ids; ``NeedsHuman`` or ``Throttled`` (``when_over``) when one has no
+        room. A model with no price under the run's own budget alone falls back to
+        ``check_budget``; under a declared budget it is a configuration error.
+        """
+        if not self.scopes:
+            return ()
+        out = params.get("max_tokens") or params.get("max_completion_tokens") \
+            or getattr(adapter, "defaults", {}).get("max_tokens")
+        counted = getattr(adapter, "count_tokens", None)
+        tokens = counted(messages, tools) if counted is not None else budget_rules.worst_input_tokens(messages, tools)
+        prices = getattr(adapter, "prices", None)
+        try:
+            worst = budget_rules.worst_cost(name, tokens, out, durable_settings.MODEL_PRICES if prices is None
+                                            else prices)
+        except budget_rules.BudgetConfigError as exc:
+            if all(scope.is_job for scope in self.scopes):
+                self.check_budget()
+                return ()
+            raise PermanentError(str(exc)) from None
+        try:
+            return budgets.reserve(self.claimed.id, self.claimed.lease_token, key, worst, self.scopes)
+        except budgets.OverBudget as over:
+            if over.when_over == "wait" and over.until is not None:
+                raise Throttled(over.until, str(over)) from None
+            raise NeedsHuman(str(over)) from None
 
 
 class AgentContext:
@@ -372,12 +433,15 @@ class AgentContext:
             self._run.check_turn(number)
             yield Turn(self, number)
 
-    def model(self, messages, *, key, turn=0, model=None, tools=None, repeat=False, **params):
+    def model(self, messages, *, key, turn=0, model=None, tools=None, repeat=False, cache=None, **params):
         """One model call, memoized at ``key``: a ``ModelReply`` with its tokens and cost.
 
-        Before a call that is not recorded yet, the budget is checked against the
-        memo ledger; the reply's message goes into the memo, not the prompt (only its
-        fingerprint: a long conversation does not grow the table quadratically).
+        Before a call that is not recorded yet, its worst case is reserved on every
+        budget that covers the run (``durable.core.budgets``); the memo settles it. The
+        reply's message goes into the memo, not the prompt (only its fingerprint: a long
+        conversation does not grow the table quadratically). ``cache=True`` (or seconds;
+        default the workflow's ``cache``) answers from a reply another job paid for the
+        same call, at cost 0, and keeps a paid reply for others (``durable.store.cache``).
         """
         run = self._run
         key = run.use_key(key, repeat)
@@ -388,21 +452,41 @@ class AgentContext:
             fp = fingerprint(model.fingerprint_input(messages, specs or None, **params))
         else:
             fp = fingerprint({"model": name, "messages": messages, "tools": specs, **params})
+        cache = run.workflow.cache if cache is None else cache
+        ttl = cache_ttl(cache)
 
         def produce():
-            run.check_budget()
+            cache_key = call_cache.key_for(MemoKind.MODEL, name, fp) if ttl else None
+            if cache_key is not None:
+                hit = call_cache.lookup(cache_key)
+                if hit is not None:
+                    output, saved, answered = hit
+                    kept = {**output, "cost": "0", "priced": "cache", "saved": str(saved)}
+                    return kept, {"model": answered or name, "hit": (cache_key, saved)}
             run.check_key()
             faults.point("agent_model_call")
-            reply = paced(model, messages, specs or None, params,
-                          lambda: model.complete(messages, tools=specs or None, **params),
+            holds = []
+
+            def guarded():
+                holds[:] = run.reserve(model, name, messages, specs or None, params, key)
+                try:
+                    return model.complete(messages, tools=specs or None, **params)
+                except BaseException as exc:
+                    budgets.unwind(holds, exc)
+                    raise
+
+            reply = paced(model, messages, specs or None, params, guarded,
                           job_id=run.claimed.id, lease_token=run.claimed.lease_token, key=key,
                           release=run.seat.release, priority=run.priority)
             if not isinstance(reply, ModelReply):
+                budgets.write_off(holds)
                 raise ModelReplyInvalid(f"the model adapter returned {type(reply).__name__},"
                                         " not a ModelReply", raw=repr(reply)[:2000])
-            return reply.as_memo(), {"cost": reply.cost, "input_tokens": reply.input_tokens,
-                                     "output_tokens": reply.output_tokens,
-                                     "model": reply.model or name}
+            extra = {"cost": reply.cost, "input_tokens": reply.input_tokens,
+                     "output_tokens": reply.output_tokens, "model": reply.model or name, "holds": tuple(holds)}
+            if cache_key is not None:
+                extra["keep"] = (cache_key, ttl)
+            return reply.as_memo(), extra
 
         memo = run.memoized(key, MemoKind.MODEL, name, fp, produce, turn=turn, check_name=False)
         return ModelReply.from_memo(memo.output)
@@ -448,17 +532,25 @@ class AgentContext:
         if tool.is_action:
             return agent_actions.act(run, key, tool, arguments, turn)
 
+        fp = fingerprint(arguments)
+        ttl = cache_ttl(tool.cache)
+
         def produce():
+            cache_key = call_cache.key_for(MemoKind.TOOL, tool.name, fp) if ttl else None
+            if cache_key is not None:
+                hit = call_cache.lookup(cache_key)
+                if hit is not None:
+                    return hit[0], {"hit": (cache_key, hit[1])}
             try:
                 value = tool(self, **arguments)
             except ToolError as exc:
-                return {"error": str(exc)}, {}
+                return {"error": str(exc)}, {}  # an error is not kept for others
+            extra = {"keep": (cache_key, ttl)} if cache_key is not None else {}
             if isinstance(value, Output):
-                return value.value, {"cost": value.cost}
-            return value, {}
+                return value.value, {"cost": value.cost, **extra}
+            return value, extra
 
-        return run.memoized(key, MemoKind.TOOL, tool.name, fingerprint(arguments), produce,
-                            turn=turn).output
+        return run.memoized(key, MemoKind.TOOL, tool.name, fp, produce, turn=turn).output
 
     def call_tools(self, calls, *, turn=0, prefix=""):
         """Run a turn's tool calls in the model's order; returns the tool messages for the chat.
@@ -487,6 +579,11 @@ class AgentContext:
         run.commit(key, MemoKind.PATCH, str(name)[:100], "", True, turn=0,
                    duration=datetime.timedelta(0))
         return True
+
+
+def cache_ttl(cache):
+    """Seconds a call's result is cached (0: not cached), from a call site's or tool's ``cache``."""
+    return call_cache.ttl_of(cache) if cache not in (None, False, 0) else 0
 
 
 def tool_keys(calls, prefix=""):

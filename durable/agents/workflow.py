@@ -45,8 +45,10 @@ class AgentWorkflow(Workflow, register=False):
 
     ``model`` is the model adapter (or override ``get_model(ctx)``), ``tools`` the
     tools the model may call, ``max_turns`` and ``budget`` (money, a Decimal) the
-    bounds the engine enforces from the memo ledger: reaching either parks the job in
+    bounds the engine enforces (a call's worst case is reserved against the budget
+    before it goes, ``durable.core.budgets``): reaching either parks the job in
     needs_human, and an operator may grant more (``durable.agent_actions.grant``).
+    ``cache`` reuses model replies other jobs paid for (``durable.store.cache``).
     ``call_timeout`` bounds each model and tool call (default: the STEP_TIMEOUT
     setting); ``retry`` is the retry policy of a failed call.
     """
@@ -57,6 +59,9 @@ class AgentWorkflow(Workflow, register=False):
     tools: typing.ClassVar[list] = []
     max_turns = 10
     budget = None
+    # Reuse a reply another job paid for the same model call (True, or seconds to keep
+    # replies): every ``ctx.model`` of the workflow unless the call says otherwise.
+    cache = None
     call_timeout = None
     retry = Retry()
 

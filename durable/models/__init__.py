@@ -5,6 +5,7 @@ family. Nothing here assigns ``Job.state``: the store (``durable.store``) writes
 """
 
 from .approvals import Approval, ApprovalQuerySet, ApprovalStatus
+from .budgets import Budget, BudgetGrant, BudgetHold, BudgetPeriod, CachedCall, HoldState, WhenOver
 from .concurrency import ConcurrencyKey
 from .jobs import (
     IN_DOUBT,
@@ -33,7 +34,8 @@ from .schedules import ScheduleEvent, ScheduleEventKind, ScheduleState
 from .workers import ProcessRole, WorkerProcess
 
 __all__ = [
-    "IN_DOUBT", "UNSETTLED", "Approval", "ApprovalQuerySet", "ApprovalStatus", "ConcurrencyKey", "CostMark",
+    "IN_DOUBT", "UNSETTLED", "Approval", "ApprovalQuerySet", "ApprovalStatus", "Budget", "BudgetGrant",
+    "BudgetHold", "BudgetPeriod", "CachedCall", "ConcurrencyKey", "HoldState", "WhenOver", "CostMark",
     "CostMinute", "CostRollup", "EventKind", "Job", "JobEvent", "JobQuerySet", "Limit", "MemoKind",
     "MoveMinute", "Outbox", "OutboxQuerySet", "OutboxStatus", "Pause", "ProcessRole", "Reservation",
     "ReservationState", "ScheduleEvent", "ScheduleEventKind", "ScheduleState", "Signal", "StepResult", "Wait",

@@ -59,6 +59,9 @@ class Job(models.Model):
     # number among the key's jobs in the order submitted: jobs of a key start in that order.
     concurrency_key = models.CharField(_("concurrency key"), max_length=200, null=True, blank=True)  # noqa: DJ001 - NULL: no key
     concurrency_seq = models.PositiveBigIntegerField(_("number under its key"), null=True, blank=True)
+    # The scope of ``DURABLE["BUDGETS"]`` the job spends from besides its workflow's (a tenant,
+    # ``tenant:42``); the concurrency key when none was given (``durable.core.budgets``).
+    budget_key = models.CharField(_("budget key"), max_length=200, blank=True, default="", db_default="")
     lease_until = models.DateTimeField(_("lease until"), null=True, blank=True)
     lease_owner = models.CharField(_("lease owner"), max_length=200, null=True, blank=True)  # noqa: DJ001 - NULL: no lease
     # Incremented by every claim; every write of a leased worker is fenced by it.
@@ -194,6 +197,9 @@ class StepResult(models.Model):
                                    db_default="")
     output = models.JSONField(_("output"), null=True, encoder=DjangoJSONEncoder)
     cost = models.DecimalField(_("cost"), max_digits=18, decimal_places=6, default=0)
+    # A call answered from the cache (``durable.store.cache``) costs nothing: what it saved.
+    cost_saved = models.DecimalField(_("cost saved"), max_digits=18, decimal_places=6, default=0,
+                                     db_default=0)
     input_tokens = models.PositiveIntegerField(_("tokens in"), default=0, db_default=0)
     output_tokens = models.PositiveIntegerField(_("tokens out"), default=0, db_default=0)
     model = models.CharField(_("model"), max_length=100, blank=True, default="", db_default="")

@@ -12,6 +12,7 @@ from django.core.serializers.json import DjangoJSONEncoder
 from django.db import connection, transaction
 
 from ..conf import durable_settings
+from ..core import budgets as budget_rules
 from ..core import concurrency, identity
 from ..core.workflows import registry
 from ..exceptions import IdempotencyConflict, PayloadInvalid
@@ -60,7 +61,7 @@ def check_priority(priority):
 
 
 def submit(workflow, key, payload, *, run_after=None, queue="default", submitted_by="", priority=0,
-           concurrency_key=None):
+           concurrency_key=None, budget_key=None, budget=None):
     """Create the job ``key`` of ``workflow``, or return the existing identical one.
 
     Idempotent: the same key with the same workflow, payload and priority returns the
@@ -71,6 +72,9 @@ def submit(workflow, key, payload, *, run_after=None, queue="default", submitted
     ``concurrency_key`` puts the job under a key (``durable.core.concurrency``): at most
     as many of its jobs run at once as ``DURABLE["CONCURRENCY"]`` allows, in the order
     submitted; the workflow's ``when_busy`` says what a job submitted meanwhile does.
+    ``budget_key`` names the scope of ``DURABLE["BUDGETS"]`` it spends from (a tenant:
+    ``tenant:42``; default its concurrency key), ``budget`` the money the job itself may
+    spend (default its workflow's; ``durable.core.budgets``).
     """
     definition = registry.get(workflow)
     if not isinstance(key, str) or not key or len(key) > 255:
@@ -81,6 +85,15 @@ def submit(workflow, key, payload, *, run_after=None, queue="default", submitted
         raise PayloadInvalid("The queue must be a non-empty string of at most 100 characters")
     check_priority(priority)
     concurrency.check_key(concurrency_key)
+    if budget_key is not None and (not isinstance(budget_key, str) or not budget_key or len(budget_key) > 200
+                                   or "\x00" in budget_key):
+        raise PayloadInvalid(f"The budget key must be a string of 1 to 200 characters with no NUL,"
+                             f" not {budget_key!r}")
+    if budget is not None:
+        try:
+            budget = budget_rules.money_value(budget, "The job's budget")
+        except budget_rules.BudgetConfigError as exc:
+            raise PayloadInvalid(str(exc)) from None
     # A key no pattern covers is refused here, before anything is written.
     at_once = None if concurrency_key is None else concurrency.limit_for(concurrency_key,
                                                                          durable_settings.CONCURRENCY)
@@ -91,13 +104,16 @@ def submit(workflow, key, payload, *, run_after=None, queue="default", submitted
     # refused insert leaves that transaction usable.
     # A job under a concurrency key is numbered under it in the same transaction.
     keyed = concurrency_key is not None
-    with transaction.atomic() if keyed or connection.in_atomic_block else contextlib.nullcontext():
+    spends = budget_key is not None or budget is not None
+    with transaction.atomic() if keyed or spends or connection.in_atomic_block else contextlib.nullcontext():
         stamps = locking.insert_job(
             key=key, workflow=definition.name, version=definition.version, queue=queue, state=state,
             payload_json=payload_json, run_after=run_after, submitted_by=by,
             message=f"{definition.name} v{definition.version}", priority=priority, head_start=lead,
         )
         seq = keyed_jobs.enter(key, concurrency_key, at_once, definition.when_busy) if keyed and stamps else None
+        if spends and stamps:
+            Job.objects.filter(pk=key).update(budget_key=budget_key or "", budget=budget)
     payload = json.loads(payload_json)
     if stamps is None:
         existing = Job.objects.filter(pk=key).first()
@@ -110,6 +126,8 @@ def submit(workflow, key, payload, *, run_after=None, queue="default", submitted
                    if existing.priority != priority
                    else f"concurrency key: it has {existing.concurrency_key!r}, this submit {concurrency_key!r}"
                    if existing.concurrency_key != concurrency_key
+                   else f"budget key: it has {existing.budget_key!r}, this submit {budget_key or ''!r}"
+                   if existing.budget_key != (budget_key or "")
                    else None)
         if differs:
             raise IdempotencyConflict(
@@ -120,6 +138,6 @@ def submit(workflow, key, payload, *, run_after=None, queue="default", submitted
     job = Job(id=key, workflow=definition.name, workflow_version=definition.version, queue=queue,
               state=state, payload=payload, submitted_by=by, created=created, updated=updated,
               next_run_at=next_run_at, priority=priority, head_start=lead, concurrency_key=concurrency_key,
-              concurrency_seq=seq)
+              concurrency_seq=seq, budget_key=budget_key or "", budget=budget)
     job._state.adding, job._state.db = False, connection.alias
     return job

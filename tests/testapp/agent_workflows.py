@@ -138,6 +138,13 @@ class LongAgent(SupportAgent):
     budget = None
 
 
+class CachedAgent(LongAgent):
+    """The same agent, answering from replies other jobs paid for (the cache)."""
+
+    name = "test_agent_cached"
+    cache = True
+
+
 # An agent whose refunds are checked against the shop's records right before they are sent.
 # The records are a JSON file named in the payload (``orders``), so a test (and the worker
 # subprocesses it starts) can change an order between approval and dispatch.
