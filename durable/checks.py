@@ -137,6 +137,25 @@ def check_concurrency(app_configs, **kwargs):
 
 
 @checks.register()
+def check_budgets(app_configs, **kwargs):
+    """DURABLE["BUDGETS"] and CACHE_TTL as declared: a mistake would stop every covered call."""
+    from .core import budgets
+    from .store.cache import ttl_of
+
+    found = []
+    try:
+        budgets.parse(durable_settings.BUDGETS)
+    except budgets.BudgetConfigError as exc:
+        found.append(checks.Error(f"{exc}.", hint="See 'Budgets' in the README.", id="durable.E048"))
+    try:
+        ttl_of(durable_settings.CACHE_TTL)
+    except ValueError as exc:
+        found.append(checks.Error(f"CACHE_TTL: {exc}.", hint="Seconds a cached reply is kept, e.g. 86400.",
+                                  id="durable.E049"))
+    return found
+
+
+@checks.register()
 def check_priority_aging(app_configs, **kwargs):
     """A PRIORITY_AGING that is not a number of seconds from 0 to a day: every submit would refuse it."""
     from django.core.exceptions import ImproperlyConfigured

@@ -275,3 +275,51 @@ def test_a_cache_ttl_must_be_seconds():
     with pytest.raises(ValueError, match="cache must be True"):
         cache.ttl_of(-1)
     assert cache.ttl_of(30) == 30.0
+
+
+def test_the_system_check_names_a_budget_declared_wrong():
+    from django.core.management import call_command
+    from django.core.management.base import SystemCheckError
+    from django.test import override_settings
+
+    with override_settings(DURABLE={"BUDGETS": {"tenant:*": {"amount": "1", "period": "week"}}}), \
+            pytest.raises(SystemCheckError, match=r"durable.E048.*BUDGETS\['tenant:\*'\]\['period'\]"):
+        call_command("check")
+    with override_settings(DURABLE={"CACHE_TTL": 0}), pytest.raises(SystemCheckError, match="durable.E049"):
+        call_command("check")
+
+
+def test_the_cli_grants_a_tenants_budget_and_the_job_it_parked(priced, run_worker_inline):
+    from django.core.management import call_command
+    from django.core.management.base import CommandError
+
+    priced({"tenant:*": {"amount": room_for(1, worst_case(run_worker_inline)), "period": "day"}})
+    agent("k1", [say("hi")], budget_key="tenant:8")
+    agent("k2", [say("hi")], budget_key="tenant:8")
+    agent("k3", [say("hi")], budget_key="tenant:8")
+    run_worker_inline()
+    parked = sorted(Job.objects.filter(state="needs_human").values_list("pk", flat=True))
+    assert len(parked) == 2
+    with pytest.raises(CommandError, match="not both"):
+        call_command("durable", "grant", parked[0], "--scope", "tenant:8", "--budget", "1", "--reason", "x")
+    with pytest.raises(CommandError, match="no budget tenant:nobody"):
+        call_command("durable", "grant", "--scope", "tenant:nobody", "--budget", "1", "--reason", "x")
+    # From one parked job: the tenant's budget is granted, and both its parked runs go on.
+    call_command("durable", "grant", parked[0], "--budget", "1", "--reason", "month end")
+    assert set(Job.objects.filter(pk__in=parked).values_list("state", flat=True)) == {"pending"}
+    assert budget("tenant:8").granted == 1 and BudgetGrant.objects.get().job_id == parked[0]
+    run_worker_inline()
+    assert Job.objects.filter(pk__in=["k1", "k2", "k3"], state="done").count() == 3
+
+
+def test_purge_takes_a_jobs_own_budget_and_expired_cache_entries(priced, run_worker_inline):
+    from durable.verbs.purge import purge
+
+    agent("old", [say("hi")], budget="5")
+    run_worker_inline()
+    CachedCall.objects.create(key="k" * 64, kind="model", name="m", output={}, expires_at=datetime.datetime(
+        2000, 1, 1, tzinfo=datetime.UTC))
+    Job.objects.filter(pk="old").update(updated=datetime.datetime(2000, 1, 1, tzinfo=datetime.UTC))
+    result = purge("1d")
+    assert result.jobs == 1 and not Budget.objects.filter(scope="job:old").exists()
+    assert not CachedCall.objects.exists() and not BudgetHold.objects.exists()

@@ -419,7 +419,18 @@ def _amount(value, what):
 
 
 def grant(job_id, *, turns=0, budget=None, user=None, reason=""):
-    """Give a parked agent more turns and/or budget, and let it go on (permission, reason, audit)."""
+    """Give a parked agent more turns and/or budget, and let it go on (permission, reason, audit).
+
+    The budget granted is the one that stopped the job: a job parked by a budget it shares
+    (a tenant's, a workflow's) grants that budget, which lets every run it parked go on
+    (``durable.store.budgets.grant``); otherwise the job's own.
+    """
+    stopped_by = _stopped_by(job_id)
+    if stopped_by is not None and budget not in (None, "") and not turns:
+        from ..store import budgets
+
+        budgets.grant(stopped_by, budget, user=user, reason=reason, job_id=job_id)
+        return Job.objects.get(pk=job_id)
     if user is not None and not isinstance(user, str) and not (
             user.is_active and user.has_perm(GRANT_PERMISSION)):
         raise DecisionForbidden(f"You may not grant turns or budget (the permission"
@@ -460,6 +471,14 @@ def grant(job_id, *, turns=0, budget=None, user=None, reason=""):
         locking.notify(locking.JOBS_CHANNEL, job.workflow)
     job.refresh_from_db()
     return job
+
+
+def _stopped_by(job_id):
+    """The shared budget (not the job's own) that parked job ``job_id``, if one did: its id."""
+    from ..models import BudgetHold, HoldState
+
+    return (BudgetHold.objects.filter(job_id=job_id, state=HoldState.REFUSED)
+            .exclude(budget__scope__startswith="job:").order_by("-pk").values_list("budget_id", flat=True).first())
 
 
 __all__ = ["act", "approve_edited", "editable_call", "grant", "propose_turn"]

@@ -26,7 +26,7 @@ from django.db import DatabaseError, InterfaceError, connection, transaction
 from django.db.models import Count, F, Sum
 
 from ..models import CostMark, EventKind, Job, JobEvent, MoveMinute
-from . import database, ledger, locking
+from . import budgets, database, ledger, locking
 
 logger = logging.getLogger("durable.rollups")
 
@@ -166,12 +166,15 @@ def _add_events(add, start, end, workflow, *, after=False):
 
 
 def roll_up(now=None, *, catch_up=True):
-    """Every roll-up: memo costs, then state moves (all passes the moves need, or one)."""
+    """Every roll-up: memo costs, then state moves (all passes the moves need, or one); and the
+    budget holds of runs that died during their call, written off once their lease passed
+    (the next reservation on their budget would too; this keeps an idle budget's count true)."""
     now = now or locking.db_now()
     costs = ledger.roll_up_costs(now)
     moves = roll_up_moves(now)
     while catch_up and not caught_up(moves, now):
         moves = roll_up_moves(now)
+    budgets.write_off_dead()
     return {"costs": costs, "moves": moves}
 
 

@@ -13,8 +13,8 @@ from django.db.models import Q
 
 from ..conf import durable_settings
 from ..core.workflows import registry
-from ..models import ConcurrencyKey, Job, Outbox, ScheduleEvent, StepResult
-from ..store import locking
+from ..models import Budget, CachedCall, ConcurrencyKey, Job, Outbox, ScheduleEvent, StepResult
+from ..store import cache, locking
 from ..store.ledger import keep_costs as keep_memo_costs
 
 _AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -88,11 +88,15 @@ def purge(older_than, *, batch_size=500, keep_costs=None, workflow=None, dry_run
             if workflow is None:
                 _purge_schedule_events(older_than, batch_size, result)
                 _purge_idle_keys(older_than, batch_size, result)
+                _count(result, CachedCall._meta.label, cache.purge_expired())
             return result
         with transaction.atomic():
             # The costs stay in the per-minute rollups (or leave them, without keep).
             result.costs_kept += keep_memo_costs(StepResult.objects.filter(job_id__in=ids), keep=keep)
             deleted, per_model = Job.objects.filter(pk__in=ids).delete()
+            # A job's own budget goes with it (shared budgets keep their history).
+            _count(result, Budget._meta.label,
+                   Budget.objects.filter(scope__in=[f"job:{pk}" for pk in ids]).delete()[0])
         result.batches += 1
         for label, count in per_model.items():
             result.rows[label] = result.rows.get(label, 0) + count
@@ -100,6 +104,11 @@ def purge(older_than, *, batch_size=500, keep_costs=None, workflow=None, dry_run
                 result.jobs += count
         if progress is not None:
             progress(result)
+
+
+def _count(result, label, deleted):
+    if deleted:
+        result.rows[label] = result.rows.get(label, 0) + deleted
 
 
 def _purge_schedule_events(older_than, batch_size, result):

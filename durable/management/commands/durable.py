@@ -16,6 +16,7 @@ from ...verbs import jobs as services
 class Command(BaseCommand):
     help = ("Inspect and operate durable: status [--check] | graph WORKFLOW | "
             "requeue|cancel|retry JOB... | grant JOB --turns N --budget X |"
+            " grant --scope SCOPE --budget X | budgets |"
             " question|answer|send-back JOB | purge | rollup |"
             " schedules [pause|resume|run NAME]")
 
@@ -28,12 +29,15 @@ class Command(BaseCommand):
             p.add_argument("jobs", nargs="+")
             p.add_argument("--reason", default="", help="Recorded in the job's history.")
             p.add_argument("--user", default="cli", help="Who is acting (recorded).")
-        grant = sub.add_parser("grant", help="Give a parked agent more turns or budget.")
-        grant.add_argument("job")
+        grant = sub.add_parser("grant", help="Give a parked agent more turns or budget, or a budget more money.")
+        grant.add_argument("job", nargs="?", help="The parked job (its budget, or the shared one that stopped it).")
+        grant.add_argument("--scope", default=None, help="A budget's scope instead of a job (tenant:42).")
+        grant.add_argument("--period", default=None, help="With --scope: its period (2026-12-07; default the latest).")
         grant.add_argument("--turns", type=int, default=0, help="More turns (added to its limit).")
         grant.add_argument("--budget", default=None, help="More money (added to its budget).")
         grant.add_argument("--reason", required=True, help="Recorded in the job's history.")
         grant.add_argument("--user", default="cli", help="Who is acting (recorded).")
+        sub.add_parser("budgets", help="The budgets of the current periods: spent, reserved, limit.")
         add_answer_arguments(sub)
         add_purge_arguments(sub)
         add_status_arguments(sub)
@@ -64,15 +68,51 @@ class Command(BaseCommand):
                     + (", many per job" if tool.many else "")) if tool.is_action else "read-only"
             self.stdout.write(f"tool {tool.name}: {what}")
 
-    def do_grant(self, job, turns, budget, reason, user, **options):
+    def do_grant(self, job, turns, budget, reason, user, scope=None, period=None, **options):
         from ...agents.tools import grant
 
+        if (job is None) == (scope is None):
+            raise CommandError("Name a parked job, or a budget with --scope (not both).")
+        if scope is not None:
+            return self._grant_scope(scope, period, budget, reason, user)
         try:
             done = grant(job, turns=turns, budget=budget, user=user, reason=reason)
         except DurableError as exc:
             raise CommandError(str(exc)) from None
         self.stdout.write(f"{job}: granted (turn limit {done.turn_limit}, budget"
                           f" {formats.money(done.budget)}); {done.state}")
+
+    def _grant_scope(self, scope, period, amount, reason, user):
+        from ...store import budgets
+
+        if amount in (None, ""):
+            raise CommandError("Say how much with --budget.")
+        found = budgets.find(scope, period)
+        if found is None:
+            raise CommandError(f"There is no budget {scope}" + (f" for {period}" if period else "")
+                               + ": a budget's row is made by its first call (see durable budgets).")
+        try:
+            row, resumed = budgets.grant(found.pk, amount, user=user, reason=reason)
+        except DurableError as exc:
+            raise CommandError(str(exc)) from None
+        self.stdout.write(f"{budgets.describe(row)}: granted {formats.money(amount)}, limit now"
+                          f" {formats.money(row.limit)}; {len(resumed)} parked runs go on")
+
+    def do_budgets(self, **options):
+        from ...models import Budget, BudgetHold, HoldState
+        from ...store import budgets, locking
+
+        now = locking.db_now()
+        rows = Budget.objects.exclude(period_end__lte=now).exclude(scope__startswith="job:").order_by("scope")
+        held = {}
+        for budget_id, worst in BudgetHold.objects.filter(budget__in=rows, state=HoldState.OPEN).values_list(
+                "budget_id", "worst"):
+            held[budget_id] = held.get(budget_id, 0) + worst
+        if not rows:
+            self.stdout.write("no budget has a row for the current period yet")
+        for row in rows:
+            self.stdout.write(f"{formats.money(row.spent)} spent, {formats.money(held.get(row.pk, 0))} reserved,"
+                              f" of {formats.money(row.limit)}: {budgets.describe(row)}")
 
     def _each(self, service, jobs, reason, user, done):
         failed = 0
