@@ -71,6 +71,8 @@ DURABLE = {
     "MODEL_PRICES": json.loads(os.environ.get("DURABLE_TEST_MODEL_PRICES", "{}")),
     # The flow-control drills hand their provider limits to their workers.
     "LIMITS": json.loads(os.environ.get("DURABLE_TEST_LIMITS", "{}")),
+    # The budget drills hand their budgets to their workers.
+    "BUDGETS": json.loads(os.environ.get("DURABLE_TEST_BUDGETS", "{}")),
     # Concurrency keys: one writer per conversation, three jobs at once per tenant.
     "CONCURRENCY": {"conversation:*": 1, "tenant:*": 3},
     # The PgBouncer tests point their workers' LISTEN at the server itself, or turn LISTEN

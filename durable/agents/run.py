@@ -19,6 +19,7 @@ from decimal import Decimal
 from django.db import transaction
 
 from .. import faults
+from ..conf import durable_settings
 from ..core import budgets as budget_rules
 from ..core.concurrency import Interrupted
 from ..core.formats import money
@@ -28,7 +29,6 @@ from ..core.outcomes import Interrupted as InterruptedOutcome
 from ..core.outcomes import Throttled as ThrottledOutcome
 from ..core.retry import scrub
 from ..core.workflows import NeedsHuman, Output, WaitingOn
-from ..conf import durable_settings
 from ..exceptions import LeaseLost, PermanentError
 from ..models import EventKind, Job, JobEvent, MemoKind, StepResult
 from ..steps.limits import Throttled, paced

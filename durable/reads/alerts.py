@@ -14,6 +14,8 @@ from ..core import formats
 from ..core.states import StateKind
 from ..models import ApprovalStatus, Job, Outbox, Pause
 from ..store import locking
+from .budgets import NAMED_IN_ALERT, NEAR_SHARE
+from .budgets import alerting as budgets_alerting
 from .failures import failed_jobs, failure_groups
 from .limits import paused_limits, waiting_reservations
 from .scopes import awaiting_decision, kind_of, scoped, state_pairs
@@ -141,6 +143,60 @@ def alerts(*, now=None, workflow=None, failures=None):
         ))
     found += schedule_alerts(now, workflow=workflow)
     found += limit_alerts(now)
+    found += budget_alerts(now)
+    return found
+
+
+def _plural(n, word, many=None):
+    return f"{n} {word if n == 1 else many or word + 's'}"
+
+
+def _named(budgets, say):
+    named = "; ".join(say(b) for b in budgets[:NAMED_IN_ALERT])
+    more = len(budgets) - NAMED_IN_ALERT
+    return named + (f"; and {_plural(more, 'more budget')}" if more > 0 else "")
+
+
+def _use(budget):
+    reserved = f" and {formats.money(budget.reserved)} reserved" if budget.reserved else ""
+    share = f"{budget.share} %" if budget.share is not None else "all"
+    return (f"{budget.name}: {formats.money(budget.spent)} spent{reserved} of {formats.money(budget.limit)}"
+            f" ({share})")
+
+
+def budget_alerts(now):
+    """A declared budget that stops runs (a call did not fit: parked, or waiting for the next
+    period), and current budgets whose spent and reserved passed 80 % of their limit.
+
+    Shown whatever the dashboard's scope: a tenant's budget is spent by every workflow's calls.
+    """
+    stopping, near = budgets_alerting(now)
+    found = []
+    if stopping:
+        runs = sum(b.waiting for b in stopping)
+        waits = [b for b in stopping if b.row.when_over == "wait"]
+        found.append(Alert(
+            "budget_stopping", "error",
+            f"{_plural(len(stopping), 'budget')} stop{'s' if len(stopping) == 1 else ''} "
+            f"{_plural(runs, 'run')}: {'its' if runs == 1 else 'their'} next model call does not fit",
+            _named(stopping, lambda b: f"{_use(b)}, {_plural(b.waiting, 'run')} "
+                                       + (f"waiting for its next period ({b.row.period_end:%Y-%m-%d %H:%M} UTC)"
+                                          if b.row.when_over == "wait" and b.row.period_end else "parked"))
+            + ". The calls that did not fit were not made.",
+            "If the spend is expected, grant the budget more on its page (parked runs go on at once);"
+            " otherwise cancel the runs" + (", or let them wait for the next period." if waits else "."),
+            "budgets", {}, runs,
+        ))
+    if near:
+        found.append(Alert(
+            "budget_near", "warning",
+            f"{_plural(len(near), 'budget')} passed {NEAR_SHARE * 100:.0f} % of {'its' if len(near) == 1 else 'their'}"
+            " limit",
+            _named(near, _use) + ". A call whose worst case does not fit what is left will stop its run.",
+            "Nothing, if the spend is expected: grant more before runs stop, or let the period end."
+            " If it is not, find the runs that spend it on the budget's page.",
+            "budgets", {}, len(near),
+        ))
     return found
 
 

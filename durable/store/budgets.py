@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 
 from django.db import transaction
-from django.db.models import Exists, F, OuterRef, Q, Sum
+from django.db.models import Exists, F, OuterRef, Sum
 from django.db.models.functions import Now
 
 from ..conf import durable_settings

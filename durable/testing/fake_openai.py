@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from .fake_limits import ProviderLimits, Window, api_key, reserved_tokens
+from .fake_wire import DEFAULT_MODEL, anthropic_message, charge, completion, reply, tool_call, turn_of
 
 __all__ = ["FAULTS", "FakeModelServer", "ProviderLimits", "reply", "tool_call"]
 
@@ -68,30 +69,6 @@ FAULTS = frozenset(
         "drop",  # the reply is computed (and charged), then the connection closes
     }
 )
-
-DEFAULT_MODEL = "fake-model"
-
-
-def tool_call(name, arguments, id=None):
-    """One tool call of a scripted reply; ``arguments`` is a dict or a JSON string."""
-    if not isinstance(arguments, str):
-        arguments = json.dumps(arguments)
-    return {"id": id, "type": "function", "function": {"name": name, "arguments": arguments}}
-
-
-def reply(text=None, *, tool_calls=(), usage=(10, 5), cost=None, model=None):
-    """A scripted assistant reply: text and/or tool calls, with its token usage.
-
-    ``cost`` is added to ``usage.cost``, as providers that report their own price do.
-    """
-    return {
-        "text": text,
-        "tool_calls": [dict(call) for call in tool_calls],
-        "usage": tuple(usage),
-        "cost": None if cost is None else str(cost),
-        "model": model,
-    }
-
 
 @dataclass
 class _Fault:
@@ -119,6 +96,9 @@ class Call:
     limit: str | None = None
     window_at: float | None = None
     tokens: int = 0
+    # What the provider bills for it, once the model worked on it (answered, slow or
+    # dropped, whether or not the caller read the reply): (prompt, completion, cost or None).
+    charged: tuple | None = None
 
 
 def latency_bounds(latency):
@@ -131,12 +111,6 @@ def latency_bounds(latency):
     if not 0 <= low <= high:
         raise ValueError(f"latency must be seconds >= 0 or a (low, high) pair with low <= high, not {latency!r}")
     return low, high
-
-
-def turn_of(body):
-    """The conversation's turn: how many assistant messages it already holds."""
-    messages = body.get("messages") or []
-    return sum(1 for message in messages if isinstance(message, dict) and message.get("role") == "assistant")
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -229,10 +203,12 @@ class _Handler(BaseHTTPRequestHandler):
             return
         owner._wait_for_release(body)
         try:
-            answer = wire(owner._scripted(body, turn), body, turn, default_model=owner.model)
+            scripted = owner._scripted(body, turn)
+            answer = wire(scripted, body, turn, default_model=owner.model)
         except Exception as exc:  # a broken script is the test's bug: say so in the reply
             self._error(500, f"script failed: {type(exc).__name__}: {exc}", "server_error")
             return
+        call.charged = charge(scripted)
         # The model's thinking time: only for requests it works on (answered, slow or
         # dropped), after any hold, in this request's own thread so others go on.
         owner._think()
@@ -270,6 +246,7 @@ class _Handler(BaseHTTPRequestHandler):
             except Exception as exc:
                 self._error(500, f"script failed: {type(exc).__name__}: {exc}", "server_error")
                 return
+            call.charged = charge(scripted)
             owner._think()
             # Settled before the reply leaves: a caller that sends its next request the
             # moment it reads this one must find the window as the provider would.
@@ -419,6 +396,24 @@ class FakeModelServer:
         with self._lock:
             return [call for call in self.calls if call.outcome in ("ok", "slow", "drop")]
 
+    def billed(self, prices):
+        """What the provider billed: every call the model worked on, at its reported cost or
+        at ``prices`` (per million tokens, as ``DURABLE["MODEL_PRICES"]`` declares them) for
+        the model the request named. The ground truth a budget drill checks."""
+        from decimal import Decimal
+
+        total = Decimal(0)
+        with self._lock:
+            charged = [(call.body.get("model", self.model), call.charged) for call in self.calls if call.charged]
+        for model, (prompt, written, cost) in charged:
+            if cost is not None:
+                total += Decimal(str(cost))
+                continue
+            entry = prices.get(model) or {}
+            total += (Decimal(str(entry.get("input", 0))) * prompt
+                      + Decimal(str(entry.get("output", 0))) * written) / 1_000_000
+        return total
+
     def rate_limited_calls(self):
         """The requests refused with a 429: by the limits (``call.limit`` says which) or a queued fault."""
         with self._lock:
@@ -546,54 +541,3 @@ class FakeModelServer:
         if turn < len(self.script):
             return self.script[turn]
         return reply(f"(no scripted reply for turn {turn + 1})")
-
-
-def completion(scripted, body, turn, default_model=DEFAULT_MODEL):
-    """The chat.completion object for a scripted reply (the wire format the client parses)."""
-    calls = []
-    for index, call in enumerate(scripted.get("tool_calls") or ()):
-        call = dict(call)
-        call["id"] = call.get("id") or f"call_{turn + 1}_{index + 1}"
-        calls.append(call)
-    message = {"role": "assistant", "content": scripted.get("text")}
-    if calls:
-        message["tool_calls"] = calls
-    prompt_tokens, completion_tokens = scripted.get("usage") or (0, 0)
-    usage = {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-    if scripted.get("cost") is not None:
-        usage["cost"] = float(scripted["cost"])
-    return {
-        "id": f"chatcmpl-fake-{turn + 1}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": scripted.get("model") or body.get("model") or default_model,
-        "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls" if calls else "stop",
-                     "logprobs": None}],
-        "usage": usage,
-    }
-
-
-def anthropic_message(scripted, body, turn, default_model=DEFAULT_MODEL):
-    """The Messages API reply for a scripted reply (the wire format the anthropic client parses)."""
-    content = []
-    if scripted.get("text"):
-        content.append({"type": "text", "text": scripted["text"]})
-    for index, call in enumerate(scripted.get("tool_calls") or ()):
-        function = call["function"]
-        content.append({"type": "tool_use", "id": call.get("id") or f"toolu_{turn + 1}_{index + 1}",
-                        "name": function["name"], "input": json.loads(function["arguments"] or "{}")})
-    input_tokens, output_tokens = scripted.get("usage") or (0, 0)
-    return {
-        "id": f"msg_fake_{turn + 1}",
-        "type": "message",
-        "role": "assistant",
-        "model": scripted.get("model") or body.get("model") or default_model,
-        "content": content,
-        "stop_reason": "tool_use" if scripted.get("tool_calls") else "end_turn",
-        "stop_sequence": None,
-        "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens},
-    }
