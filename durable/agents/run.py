@@ -19,8 +19,6 @@ from decimal import Decimal
 from django.db import transaction
 
 from .. import faults
-from ..conf import durable_settings
-from ..core import budgets as budget_rules
 from ..core.concurrency import Interrupted
 from ..core.formats import money
 from ..core.identity import storable_json
@@ -29,11 +27,12 @@ from ..core.outcomes import Interrupted as InterruptedOutcome
 from ..core.outcomes import Throttled as ThrottledOutcome
 from ..core.retry import scrub
 from ..core.workflows import NeedsHuman, Output, WaitingOn
-from ..exceptions import LeaseLost, PermanentError
+from ..exceptions import LeaseLost
 from ..models import EventKind, Job, JobEvent, MemoKind, StepResult
 from ..steps.limits import Throttled, paced
 from ..store import budgets, concurrency, locking
 from ..store import cache as call_cache
+from . import spending
 from . import tools as agent_actions
 from .base import RUNNING, Divergence, Draining, DuplicateKey, Suspended, ToolError, parsed
 from .llm import ModelReply, ModelReplyInvalid
@@ -337,34 +336,6 @@ class AgentRun:
                              f" {money(self.budget)};"
                              " grant more budget to let it go on")
 
-    def reserve(self, adapter, name, messages, tools, params, key):
-        """Before a model call: its worst case held on every budget that covers the run.
-
-        The holds' ids; ``NeedsHuman`` or ``Throttled`` (``when_over``) when one has no
-        room. A model with no price under the run's own budget alone falls back to
-        ``check_budget``; under a declared budget it is a configuration error.
-        """
-        if not self.scopes:
-            return ()
-        out = params.get("max_tokens") or params.get("max_completion_tokens") \
-            or getattr(adapter, "defaults", {}).get("max_tokens")
-        counted = getattr(adapter, "count_tokens", None)
-        tokens = counted(messages, tools) if counted is not None else budget_rules.worst_input_tokens(messages, tools)
-        prices = getattr(adapter, "prices", None)
-        try:
-            worst = budget_rules.worst_cost(name, tokens, out, durable_settings.MODEL_PRICES if prices is None
-                                            else prices)
-        except budget_rules.BudgetConfigError as exc:
-            if all(scope.is_job for scope in self.scopes):
-                self.check_budget()
-                return ()
-            raise PermanentError(str(exc)) from None
-        try:
-            return budgets.reserve(self.claimed.id, self.claimed.lease_token, key, worst, self.scopes)
-        except budgets.OverBudget as over:
-            if over.when_over == "wait" and over.until is not None:
-                raise Throttled(over.until, str(over)) from None
-            raise NeedsHuman(str(over)) from None
 
 
 class AgentContext:
@@ -452,30 +423,19 @@ class AgentContext:
             fp = fingerprint(model.fingerprint_input(messages, specs or None, **params))
         else:
             fp = fingerprint({"model": name, "messages": messages, "tools": specs, **params})
-        cache = run.workflow.cache if cache is None else cache
-        ttl = cache_ttl(cache)
+        ttl = spending.ttl(run.workflow.cache if cache is None else cache)
 
         def produce():
-            cache_key = call_cache.key_for(MemoKind.MODEL, name, fp) if ttl else None
-            if cache_key is not None:
-                hit = call_cache.lookup(cache_key)
-                if hit is not None:
-                    output, saved, answered = hit
-                    kept = {**output, "cost": "0", "priced": "cache", "saved": str(saved)}
-                    return kept, {"model": answered or name, "hit": (cache_key, saved)}
+            cache_key = spending.cache_key(MemoKind.MODEL, name, fp, ttl)
+            hit = spending.cached(cache_key, model=name)
+            if hit is not None:
+                return hit
             run.check_key()
             faults.point("agent_model_call")
             holds = []
-
-            def guarded():
-                holds[:] = run.reserve(model, name, messages, specs or None, params, key)
-                try:
-                    return model.complete(messages, tools=specs or None, **params)
-                except BaseException as exc:
-                    budgets.unwind(holds, exc)
-                    raise
-
-            reply = paced(model, messages, specs or None, params, guarded,
+            reply = paced(model, messages, specs or None, params,
+                          lambda: spending.guarded(run, model, name, messages, specs or None, params, key, holds,
+                                                   lambda: model.complete(messages, tools=specs or None, **params)),
                           job_id=run.claimed.id, lease_token=run.claimed.lease_token, key=key,
                           release=run.seat.release, priority=run.priority)
             if not isinstance(reply, ModelReply):
@@ -533,14 +493,13 @@ class AgentContext:
             return agent_actions.act(run, key, tool, arguments, turn)
 
         fp = fingerprint(arguments)
-        ttl = cache_ttl(tool.cache)
+        ttl = spending.ttl(tool.cache)
 
         def produce():
-            cache_key = call_cache.key_for(MemoKind.TOOL, tool.name, fp) if ttl else None
-            if cache_key is not None:
-                hit = call_cache.lookup(cache_key)
-                if hit is not None:
-                    return hit[0], {"hit": (cache_key, hit[1])}
+            cache_key = spending.cache_key(MemoKind.TOOL, tool.name, fp, ttl)
+            hit = spending.cached(cache_key)
+            if hit is not None:
+                return hit
             try:
                 value = tool(self, **arguments)
             except ToolError as exc:
@@ -579,11 +538,6 @@ class AgentContext:
         run.commit(key, MemoKind.PATCH, str(name)[:100], "", True, turn=0,
                    duration=datetime.timedelta(0))
         return True
-
-
-def cache_ttl(cache):
-    """Seconds a call's result is cached (0: not cached), from a call site's or tool's ``cache``."""
-    return call_cache.ttl_of(cache) if cache not in (None, False, 0) else 0
 
 
 def tool_keys(calls, prefix=""):

@@ -278,6 +278,7 @@ def detail(budget_id, now):
         "grants": list(BudgetGrant.objects.filter(budget_id=budget.pk).order_by("-at", "-pk")[:GRANTS_SHOWN]),
         "grants_total": BudgetGrant.objects.filter(budget_id=budget.pk).count(),
         "holds": list(holds[:HOLDS_SHOWN]),
+        "holds_total": holds.count(),
         "periods": periods,
     }
 

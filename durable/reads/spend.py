@@ -60,7 +60,7 @@ def paid_and_saved(start, end, *, by="workflow", workflow=None):
 
     ``by``: ``workflow``, ``model`` (a memo that is not a model call has none: ``—``),
     ``tool`` (tool calls only, by the tool's name) or ``tenant`` (the job's budget key,
-    else its concurrency key, else ``—``). Returns ``{"rows": [SpendRow], "paid", "saved"}``,
+    else its concurrency key, else ``—``). Returns ``{"rows": [SpendRow], "paid", "saved", "total"}``,
     the rows with the most money first. One query.
     """
     if by not in GROUPS:
@@ -82,7 +82,8 @@ def paid_and_saved(start, end, *, by="workflow", workflow=None):
         row.memos += group["n"]
         row.answered_by_cache += group["hits"]
     found = sorted((r for r in rows.values() if r.memos), key=lambda r: (-r.total, r.name))
-    return {"rows": found, "paid": sum((r.paid for r in found), ZERO), "saved": sum((r.saved for r in found), ZERO)}
+    paid, saved = sum((r.paid for r in found), ZERO), sum((r.saved for r in found), ZERO)
+    return {"rows": found, "paid": paid, "saved": saved, "total": paid + saved}
 
 
 __all__ = ["GROUPS", "SpendRow", "paid_and_saved"]

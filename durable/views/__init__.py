@@ -5,7 +5,7 @@ The package follows ``django.contrib.admin.views``: one module per page family, 
 ``admin.py`` uses the entry points here and nothing else:
 
 - ``console_urls(site)``: the site-level pages (dashboard, reconciliation, costs,
-  approvals, schedules, workers, limits, pause), added to a site by ``durable.admin.install_console``;
+  approvals, schedules, workers, limits, budgets, pause), added to a site by ``durable.admin.install_console``;
 - ``job_urls(model_admin)``: the job verbs, bulk verbs and replay, for ``JobAdmin.get_urls``;
 - ``job_page(model_admin)``: the job page, for ``JobAdmin.change_view``;
 - ``confirm_selected(...)``: the confirmation page of an admin action on ticked jobs;
@@ -24,7 +24,7 @@ call to a verb in ``durable.services``, ``durable.actions.reconcile`` or ``durab
 from django.contrib.admin.utils import unquote
 from django.urls import path
 
-from . import answers, approvals, bulk, costs, dashboard, jobs, limits, reconcile, schedules, workers
+from . import answers, approvals, budgets, bulk, costs, dashboard, jobs, limits, reconcile, schedules, workers
 from .base import JOB_KINDS, admin_url, chrome, console_nav, job_url, page, serve, show_json, url_or_blank
 
 __all__ = ["JOB_KINDS", "confirm_selected", "console_nav", "console_urls", "job_list_context",
@@ -64,6 +64,13 @@ def console_urls(admin_site):
              page(admin_site, limits.unpause, "POST",
                   back=lambda site, **_: (url_or_blank(site, "durable_limits"), "Limits")),
              name="durable_limit_unpause"),
+        path("durable/budgets/", page(admin_site, budgets.budget_list, "GET", "HEAD"), name="durable_budgets"),
+        path("durable/budgets/<int:pk>/", page(admin_site, budgets.budget_detail, "GET", "HEAD"),
+             name="durable_budget"),
+        path("durable/budgets/grant/",
+             page(admin_site, budgets.grant, "POST",
+                  back=lambda site, **_: (url_or_blank(site, "durable_budgets"), "Budgets")),
+             name="durable_budget_grant"),
         path("durable/approvals/<int:pk>/", page(admin_site, approvals.detail, "GET", "HEAD", "POST"),
              name="durable_approval"),
     ]

@@ -248,6 +248,7 @@ TABS = (
     Tab("schedules", "Schedules", ("durable_schedules",)),
     Tab("workers", "Workers", ("durable_workers",)),
     Tab("limits", "Limits", ("durable_limits",)),
+    Tab("budgets", "Budgets", ("durable_budgets",)),
 )
 
 

@@ -1,4 +1,5 @@
-"""The cost report: memo costs per UTC day, per step or per workflow, over a chosen range."""
+"""The cost report: memo costs per UTC day, per step or per workflow, over a chosen range; then what
+was paid and what the model-call cache saved, per workflow, model, tool or tenant."""
 
 import datetime
 
@@ -6,7 +7,7 @@ from django import forms
 from django.template.response import TemplateResponse
 
 from ..core.workflows import registry
-from ..reads import reports
+from ..reads import reports, spend
 from ..store import locking
 from .base import context, require_view
 from .charts import OTHER, columns_chart
@@ -19,6 +20,8 @@ class CostForm(forms.Form):
     end = forms.DateField(label="To (inclusive)", widget=forms.DateInput(attrs={"type": "date"}))
     by = forms.ChoiceField(label="Per", choices=[("step", "step"), ("workflow", "workflow")])
     workflow = forms.ChoiceField(label="Workflow", required=False)
+    split = forms.ChoiceField(label="Paid and saved per", required=False,
+                              choices=[(name, name) for name in spend.GROUPS])
 
     MAX_DAYS = 366
 
@@ -42,7 +45,7 @@ def cost_report(request, admin_site):
     require_view(request, "durable.view_stepresult", "durable.view_job")
     today = locking.db_now().astimezone(datetime.UTC).date()
     defaults = {"start": today - datetime.timedelta(days=13), "end": today, "by": "step",
-                "workflow": ""}
+                "workflow": "", "split": "workflow"}
     # The registered workflows, and one asked for by name (no DISTINCT over every memo).
     workflows = sorted(set(registry.names()) | ({request.GET["workflow"]}
                                                 if request.GET.get("workflow") else set()))
@@ -50,7 +53,7 @@ def cost_report(request, admin_site):
     params = dict(defaults)
     problems = []
     if request.GET and form.is_valid():
-        params.update(form.cleaned_data)
+        params.update({k: v for k, v in form.cleaned_data.items() if k != "split" or v})
     elif request.GET:
         problems = [*form.non_field_errors(),
                     *(f"{form[name].label}: {e}" for name, errs in form.errors.items()
@@ -70,8 +73,9 @@ def cost_report(request, admin_site):
     legend = [{"name": s["name"], "color": s["color"]} for s in chart["series"]]
     per_day = [{"day": day, "values": [s["per_day"][i] for s in chart["series"]],
                 "total": data["totals"][i]} for i, day in enumerate(data["days"])]
+    split = spend.paid_and_saved(start, end, by=params["split"], workflow=params["workflow"] or None)
     ctx = context(
-        request, admin_site, "Cost report", "costs",
+        request, admin_site, "Cost report", "costs", split=split,
         form=form, problems=problems, params=params, data=data, series=series, chart=chart,
         legend=legend,
         per_day=per_day, column_names=[s["name"] for s in chart["series"]],

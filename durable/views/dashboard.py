@@ -117,6 +117,10 @@ def dashboard(request, admin_site):
         # Jobs waiting for a place under their concurrency key (every workflow's).
         keys_waiting=key_reads.waiting_total(),
         limits_url=tab_url(admin_site, "limits"),
+        # Runs a budget stops, and the budgets past 80 % that stop none yet: from the alerts.
+        budget_runs_stopped=_alert_count(status["alerts"], "budget_stopping"),
+        budgets_near=_alert_count(status["alerts"], "budget_near"),
+        budgets_url=tab_url(admin_site, "budgets"),
     )
     return TemplateResponse(request, "admin/durable/dashboard.html", ctx)
 
@@ -142,6 +146,10 @@ def kind_counters(admin_site, workflow):
     return counters
 
 
+def _alert_count(alerts, code):
+    return next((a.count for a in alerts if a.code == code), 0)
+
+
 def alert_link(admin_site, alert):
     """An alert and the page where it is acted on."""
     if alert.target == "job":
@@ -156,6 +164,8 @@ def alert_link(admin_site, alert):
         url = tab_url(admin_site, "schedules")
     elif alert.target == "limits":
         url = tab_url(admin_site, "limits")
+    elif alert.target == "budgets":
+        url = tab_url(admin_site, "budgets")
     else:
         url = ""
     return {"alert": alert, "url": url}

@@ -29,6 +29,7 @@ from ..reads import reports
 from ..store import locking
 from ..verbs import answers
 from ..verbs import jobs as services
+from . import budgets as job_budgets
 from . import waits as job_waits
 from .answers import answer_form
 from .base import admin_url, context, form_reason, job_url, jobs_url, require, short_hashes, show_json, url_or_blank
@@ -328,6 +329,7 @@ def job_detail(request, model_admin, object_id):
         workflow_paused=Pause.objects.filter(workflow=job.workflow).first(),
         throttled=limit_reads.throttled(job, now), limits_url=url_or_blank(admin_site, "durable_limits"),
         concurrency=_concurrency(admin_site, job),
+        budgets=job_budgets.of_job(admin_site, job, now),
         sees_payloads=user.has_perm("durable.view_payload"),
         redact_keys=durable_settings.REDACT_KEYS,
     )
