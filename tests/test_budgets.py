@@ -323,3 +323,24 @@ def test_purge_takes_a_jobs_own_budget_and_expired_cache_entries(priced, run_wor
     result = purge("1d")
     assert result.jobs == 1 and not Budget.objects.filter(scope="job:old").exists()
     assert not CachedCall.objects.exists() and not BudgetHold.objects.exists()
+
+
+def test_a_pipeline_steps_model_call_is_reserved_and_settled_too(priced, settings, run_worker_inline):
+    from durable.testing import FakeModelServer
+
+    prices = {"fake-model": {"input": "100", "output": "1000", "max_output": 100}}
+    with FakeModelServer([reply("A summary.", usage=(100, 10))]) as server:
+        settings.DURABLE = {**settings.DURABLE, "MODEL_PRICES": prices,
+                            "BUDGETS": {"tenant:poor": {"amount": "0.05", "period": "day", "when_over": "wait"},
+                                        "tenant:*": {"amount": "1", "period": "month"}}}
+        durable.submit("test_model_step", "s1", {"model_url": server.url}, budget_key="tenant:rich")
+        durable.submit("test_model_step", "s2", {"model_url": server.url}, budget_key="tenant:poor")
+        run_worker_inline()
+        assert Job.objects.get(pk="s1").state == "summarise_done"
+        rich = budget("tenant:rich")
+        assert rich.spent == server.billed(prices) == Decimal("0.02") and rich.calls == 1
+        assert BudgetHold.objects.get(job_id="s1").state == HoldState.SETTLED
+        poor, waiting = budget("tenant:poor"), Job.objects.get(pk="s2")
+        # It would not fit: no call was made, and the step waits for tomorrow's budget.
+        assert len(server.paid_calls()) == 1 and poor.spent == 0
+        assert waiting.next_run_at == poor.period_end and waiting.lease_owner is None

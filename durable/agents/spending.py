@@ -5,12 +5,9 @@
 ``cached`` answers a call from a reply another job paid for (``durable.store.cache``).
 """
 
-from ..conf import durable_settings
 from ..core import budgets as budget_rules
-from ..core.workflows import NeedsHuman
 from ..exceptions import PermanentError
-from ..steps.limits import Throttled
-from ..store import budgets
+from ..steps import budgets as step_budgets
 from ..store import cache as call_cache
 
 
@@ -24,35 +21,19 @@ def reserve(run, adapter, name, messages, tools, params, key):
     """
     if not run.scopes:
         return ()
-    out = params.get("max_tokens") or params.get("max_completion_tokens") \
-        or getattr(adapter, "defaults", {}).get("max_tokens")
-    counted = getattr(adapter, "count_tokens", None)
-    tokens = counted(messages, tools) if counted is not None else budget_rules.worst_input_tokens(messages, tools)
-    prices = getattr(adapter, "prices", None)
     try:
-        worst = budget_rules.worst_cost(name, tokens, out, durable_settings.MODEL_PRICES if prices is None else prices)
+        worst = step_budgets.worst_of(adapter, name, messages, tools, params)
     except budget_rules.BudgetConfigError as exc:
         if all(scope.is_job for scope in run.scopes):
             run.check_budget()
             return ()
         raise PermanentError(str(exc)) from None
-    try:
-        return budgets.reserve(run.claimed.id, run.claimed.lease_token, key, worst, run.scopes)
-    except budgets.OverBudget as over:
-        if over.when_over == "wait" and over.until is not None:
-            raise Throttled(over.until, str(over)) from None
-        raise NeedsHuman(str(over)) from None
+    return step_budgets.hold(run.scopes, run.claimed.id, run.claimed.lease_token, key, worst)
 
 
 def guarded(run, adapter, name, messages, tools, params, key, holds, call):
-    """``call()`` with the call's worst case reserved first (its hold ids put in ``holds``);
-    a call that fails gives them back or writes them off (``budgets.unwind``)."""
-    holds[:] = reserve(run, adapter, name, messages, tools, params, key)
-    try:
-        return call()
-    except BaseException as exc:
-        budgets.unwind(holds, exc)
-        raise
+    """``call()`` with the call's worst case reserved first (its hold ids put in ``holds``)."""
+    return step_budgets.guarded(holds, lambda: reserve(run, adapter, name, messages, tools, params, key), call)
 
 
 def ttl(cache):

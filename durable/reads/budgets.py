@@ -32,6 +32,8 @@ from ..store.budgets import describe
 from ..store.wakeups import settled_q
 
 ZERO = Decimal(0)
+# Money has the precision of the columns, whatever the database's arithmetic returned.
+CENT = rules.CENT
 MONEY = {"max_digits": 18, "decimal_places": 6}
 # Current budgets listed, the most used first; beyond, counted.
 SHOWN = 100
@@ -190,11 +192,11 @@ def _burn(budget_ids, now):
     totals = (BudgetHold.objects.filter(budget_id__in=list(budget_ids), settled_at__gt=since,
                                         state__in=[HoldState.SETTLED, HoldState.WRITTEN_OFF])
               .values("budget_id").annotate(total=Sum("cost")).order_by().values_list("budget_id", "total"))
-    return {pk: Decimal(total or 0) / hours for pk, total in totals}
+    return {pk: (Decimal(total or 0) / hours).quantize(CENT) for pk, total in totals}
 
 
 def _state(row, waiting, burn, now):
-    return BudgetState(row, reserved=Decimal(row.reserved or 0), waiting=waiting.get(row.pk, 0),
+    return BudgetState(row, reserved=Decimal(row.reserved or 0).quantize(CENT), waiting=waiting.get(row.pk, 0),
                        burn=burn.get(row.pk, ZERO), current=row.period_end is None or row.period_end > now)
 
 

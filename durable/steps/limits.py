@@ -154,6 +154,10 @@ def in_step(adapter, messages, tools, params, call):
     if here is None:
         return call()
     here["calls"] += 1
+    key = f"{here['step']}/model/{here['calls']}"
+    from . import budgets
+
+    call = budgets.in_step(adapter, messages, tools, params, call, here, key)
     provider = getattr(adapter, "provider", None) or getattr(adapter, "sdk", "")
     if not covering(provider, str(getattr(adapter, "model", "") or ""), getattr(adapter, "limits", ())):
         return call()
@@ -161,4 +165,4 @@ def in_step(adapter, messages, tools, params, call):
 
     priority = Job.objects.filter(pk=here["job_id"]).values_list("priority", flat=True).first() or 0
     return paced(adapter, messages, tools, params, call, job_id=here["job_id"], lease_token=here["lease_token"],
-                 key=f"{here['step']}/model/{here['calls']}", priority=priority)
+                 key=key, priority=priority)

@@ -13,6 +13,7 @@ from django.contrib import messages
 from django.http import Http404, HttpResponseRedirect
 from django.template.response import TemplateResponse
 
+from ..core import budgets as rules
 from ..core import formats
 from ..exceptions import DurableError
 from ..models import Budget
@@ -76,8 +77,8 @@ def budget_detail(request, admin_site, pk):
         raise Http404(f"There is no budget {pk}")
     budget = found["budget"]
     ctx = context(
-        request, admin_site, f"Budget {budget.name}", "budgets", now=now, **found,
-        item=_item(admin_site, budget, now),
+        request, admin_site, f"Budget {budget.name}", "budgets", now=now, budget=budget,
+        holds_total=found["holds_total"], grants_total=found["grants_total"], item=_item(admin_site, budget, now),
         waiting=[{"hold": h, "url": job_url(admin_site, h.job_id)} for h in found["waiting"]],
         holds=[{"hold": h, "url": job_url(admin_site, h.job_id)} for h in found["holds"]],
         grants=[{"grant": g, "job_url": job_url(admin_site, g.job_id) if g.job_id else ""}
@@ -111,8 +112,8 @@ def grant(request, admin_site):
         messages.error(request, f"There is no budget {raw!r}. Nothing was changed.")
         return HttpResponseRedirect(listing)
     name = store.describe(budget)
-    if budget.scope.startswith("job:"):
-        messages.error(request, f"{name} is a job's own budget: grant it on the job's page. Nothing was changed.")
+    if budget.scope.startswith(rules.JOB):
+        messages.error(request, f"Budget {name} is a job's own: grant it more on the job's page. Nothing was changed.")
         return HttpResponseRedirect(back)
     reason = form_reason(request)
     problem = _amount_problem(request.POST.get("amount", ""), budget)
