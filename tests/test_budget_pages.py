@@ -68,17 +68,19 @@ def rows():
       flight holding 1.25 (its run holds its lease) and 0.50 (its lease passed): 9.25 used of
       12, 77.0 %, 2.75 left; 0.50 settled in the last hour (and 5 two hours ago): 0.50 per hour;
     - tenant:b (today): 4.50 of 5 spent, 90 %, near its end; it stops no run;
-    - workflow:recorded (this month): 10 of 100, refused the calls of two unfinished runs and of
-      one that finished since: it stops two;
+    - workflow:recorded (this month): 10 of 100, refused the calls of a run parked for a person,
+      of one handed back until later and of one that finished since: it stops two;
     - tenant:a yesterday: a finished period, listed only on request;
     - job:own-1: a job's own budget, not listed while it stops nothing.
     """
     now = locking.db_now()
     for key, state in (("live-1", "a_running"), ("dead-1", "a_running"), ("wait-1", "needs_human"),
-                       ("wait-2", "b_running"), ("gone-1", "c_done"), ("own-1", "a_running")):
+                       ("wait-2", "b_running"), ("gone-1", "c_done"), ("own-1", "needs_human")):
         Job.objects.create(id=key, workflow="recorded", state=state, payload={}, lease_token=7,
                            lease_owner="w1" if key == "live-1" else None,
-                           lease_until=now + datetime.timedelta(seconds=60) if key == "live-1" else None)
+                           lease_until=now + datetime.timedelta(seconds=60) if key == "live-1" else None,
+                           # Handed back until the next period, as a budget that waits leaves a run.
+                           next_run_at=now + datetime.timedelta(hours=3) if key == "wait-2" else None)
     a = budget("tenant:a", "10", now=now, spent="7.5", granted="2", written_off="0.5", pattern="tenant:*")
     hold(a, "live-1", HoldState.OPEN, "1.25", now=now)
     hold(a, "dead-1", HoldState.OPEN, "0.50", now=now)
@@ -112,6 +114,17 @@ def test_each_budget_s_money_and_runs_are_counted_from_its_rows(rows):
     past = reads.overview(rows["now"], past=True).past
     assert [(p.row.scope, p.row.period_key) for p in past] == [("tenant:a", rows["old"].period_key)]
     assert not past[0].current and past[0].share == D("99.9")
+
+
+def test_a_run_let_go_on_or_taken_again_since_its_refusal_waits_no_more(rows):
+    now, month = rows["now"], rows["month"]
+    assert reads.one(month.pk, now).waiting == 2
+    Job.objects.filter(pk="wait-1").update(state="pending", next_run_at=now)  # granted, or sent back
+    assert reads.one(month.pk, now).waiting == 1
+    Job.objects.filter(pk="wait-2").update(lease_token=8)  # taken again: it reserved anew
+    assert reads.one(month.pk, now).waiting == 0
+    Job.objects.filter(pk="wait-1").update(state="needs_human", lease_token=9)  # parked for another reason
+    assert reads.one(month.pk, now).waiting == 0
 
 
 def test_a_job_s_own_budget_is_listed_while_it_stops_its_job(rows):

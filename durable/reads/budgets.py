@@ -9,8 +9,9 @@ all read them from here.
 - *reserved*: the worst cases of the calls in flight (the budget's open holds);
 - *used*: spent plus reserved, what a next call's room is measured against, and the
   share of the limit the page sorts by (a limit of nothing counts as used up);
-- *runs waiting on it*: unfinished jobs with a refused hold on it (the call that did not
-  fit was not made; a grant lets parked runs go on, the next period those that wait);
+- *runs waiting on it*: jobs it refused a call (which was not made) and that have not
+  moved since: parked for a person (a grant lets them go on) or handed back until its next
+  period (see ``_stopped_job``);
 - *burn*: the money settled and written off in the last hour, per hour.
 
 A *current* budget is one whose period has not ended (a budget with no period always is).
@@ -27,9 +28,9 @@ from django.db.models.functions import Cast, Coalesce, NullIf
 
 from ..conf import durable_settings
 from ..core import budgets as rules
+from ..core.states import NEEDS_HUMAN
 from ..models import Budget, BudgetGrant, BudgetHold, CachedCall, HoldState, Job
 from ..store.budgets import describe
-from ..store.wakeups import settled_q
 
 ZERO = Decimal(0)
 # Money has the precision of the columns, whatever the database's arithmetic returned.
@@ -164,19 +165,26 @@ def _current_q(now):
     return Q(period_end__isnull=True) | Q(period_end__gt=now)
 
 
-def _unfinished_job():
-    """Whether a hold's job is unfinished (its own workflow does not count its state as finished)."""
-    return Exists(Job.objects.filter(pk=OuterRef("job_id")).exclude(settled_q()))
+def _stopped_job(now):
+    """Whether a refused hold's job is stopped by it still: parked for a person, or handed back
+    until later (no lease, due in the future), under the lease the call was refused in.
+
+    A run let go on (granted, sent back: due now) or taken again since (its lease token moved
+    on: it reserved anew, maybe on the next period's budget) no longer waits on it, though its
+    refused hold stays until its next reservation on that budget.
+    """
+    stopped = Q(state=NEEDS_HUMAN) | Q(lease_owner__isnull=True, next_run_at__gt=now)
+    return Exists(Job.objects.filter(stopped, pk=OuterRef("job_id"), lease_token=OuterRef("lease_token")))
 
 
-def waiting_holds():
-    """Refused holds of unfinished jobs: the runs each budget stops."""
-    return BudgetHold.objects.filter(state=HoldState.REFUSED).filter(_unfinished_job())
+def waiting_holds(now):
+    """Refused holds of the runs they stop now."""
+    return BudgetHold.objects.filter(state=HoldState.REFUSED).filter(_stopped_job(now))
 
 
-def _waiting(budget_ids=None):
+def _waiting(now, budget_ids=None):
     """``{budget id: runs waiting on it}``, every budget that stops a run (or only ``budget_ids``)."""
-    holds = waiting_holds()
+    holds = waiting_holds(now)
     if budget_ids is not None:
         holds = holds.filter(budget_id__in=list(budget_ids))
     return dict(holds.values("budget_id").annotate(n=Count("job_id", distinct=True)).order_by()
@@ -224,7 +232,7 @@ def overview(now, *, past=False):
     declared_current = _annotated(Budget.objects.filter(_current_q(now)).exclude(scope__startswith=rules.JOB))
     top = list(declared_current.order_by(F("used_share").desc(nulls_first=True), "scope", "period_key")[:SHOWN])
     more = declared_current.count() - SHOWN if len(top) == SHOWN else 0
-    waiting = _waiting()
+    waiting = _waiting(now)
     listed = {row.pk for row in top}
     stopping = [pk for pk in waiting if pk not in listed]
     if stopping:
@@ -254,7 +262,7 @@ def one(budget_id, now):
     row = _annotated(Budget.objects.filter(pk=budget_id)).first()
     if row is None:
         return None
-    return _state(row, _waiting([row.pk]), _burn([row.pk], now), now)
+    return _state(row, _waiting(now, [row.pk]), _burn([row.pk], now), now)
 
 
 def detail(budget_id, now):
@@ -265,7 +273,7 @@ def detail(budget_id, now):
     budget = one(budget_id, now)
     if budget is None:
         return None
-    stops = (waiting_holds().filter(budget_id=budget.pk).select_related("job")
+    stops = (waiting_holds(now).filter(budget_id=budget.pk).select_related("job")
              .order_by("created", "pk"))
     # A hold counts while its run holds the lease it was taken under (``store.budgets``).
     live = Exists(Job.objects.filter(pk=OuterRef("job_id"), lease_token=OuterRef("lease_token"),
@@ -296,8 +304,8 @@ def of_job(job, now):
                 .order_by("scope", "-period_start"))
     if not rows:
         return {"budgets": [], "stopped_by": []}
-    refused = {h.budget_id: h for h in waiting_holds().filter(job_id=job.pk)}
-    waiting = _waiting([row.pk for row in rows]) if refused else {}
+    refused = {h.budget_id: h for h in waiting_holds(now).filter(job_id=job.pk)}
+    waiting = _waiting(now, [row.pk for row in rows]) if refused else {}
     found = [_state(row, waiting, {}, now) for row in rows]
     return {"budgets": found, "stopped_by": [(b, refused[b.pk]) for b in found if b.pk in refused]}
 
@@ -310,7 +318,7 @@ def alerting(now):
     reach ``NEAR_SHARE`` of their limit. Jobs' own budgets are left out: a run stopped by
     its own budget is its own matter, counted among the jobs waiting for a person.
     """
-    waiting = _waiting()
+    waiting = _waiting(now)
     stopping = []
     if waiting:
         rows = _annotated(Budget.objects.filter(pk__in=list(waiting)).exclude(scope__startswith=rules.JOB))
