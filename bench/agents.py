@@ -17,6 +17,10 @@ PostgreSQL server at ``--pg-url``):
   recorded call from the memos up to the frontier. The figure is claim to the first
   model call that is paid again.
 
+With ``--budget`` every model call is reserved on a tenant's budget before it goes and
+settled in its memo's transaction (``durable.store.budgets``): the difference is what a
+budget costs a call.
+
 Figures are median (min-max) over ``--repeat`` runs.
 """
 
@@ -33,13 +37,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def child(turns, tools, repeat):
+def child(turns, tools, repeat, budget=False):
     sys.path.insert(0, str(ROOT))
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "bench.settings")
     import django
 
     django.setup()
+    from django.conf import settings
     from django.core.management import call_command
+
+    if budget:  # every model call reserved on a tenant's budget, settled with its memo
+        settings.DURABLE = {**settings.DURABLE, "MODEL_PRICES": {"scripted": {"input": "0.1", "output": "0.4"}},
+                            "BUDGETS": {"tenant:*": {"amount": "1000000", "period": "day"}}}
 
     call_command("migrate", verbosity=0)
 
@@ -102,7 +111,7 @@ def child(turns, tools, repeat):
            "rows": [], "calls": turns * (tools + 1) + 1}
     for index in range(repeat):
         key = f"bench-{index}"
-        durable.submit("bench_agent", key, {})
+        durable.submit("bench_agent", key, {}, budget_key="tenant:1" if budget else None)
         commits.clear()
         began = time.perf_counter()
         runner.run(runner.claim(["bench_agent"]))
@@ -144,7 +153,8 @@ def run_database(which, args):
                 conn.execute("DROP DATABASE IF EXISTS durable_bench_agents")
     try:
         done = subprocess.run([sys.executable, __file__, "--child", "--turns", str(args.turns),
-                               "--tools", str(args.tools), "--repeat", str(args.repeat)],
+                               "--tools", str(args.tools), "--repeat", str(args.repeat),
+                               *(["--budget"] if args.budget else [])],
                               env=env, cwd=ROOT, capture_output=True, text=True, check=False)
         if done.returncode:
             raise SystemExit(f"{which}: the benchmark failed:\n{done.stderr[-3000:]}")
@@ -165,11 +175,14 @@ def main(argv=None):
     p.add_argument("--tools", type=int, default=5)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--pg-url", default="postgres://postgres@127.0.0.1:5432/postgres")
+    p.add_argument("--budget", action="store_true",
+                   help="every model call under a tenant's budget (reserved, then settled with its memo)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        return child(args.turns, args.tools, args.repeat)
-    print(f"{args.turns} turns x {args.tools} tool calls, median (min–max) of {args.repeat} runs\n")
+        return child(args.turns, args.tools, args.repeat, args.budget)
+    print(f"{args.turns} turns x {args.tools} tool calls, median (min–max) of {args.repeat} runs"
+          + (", every model call under a tenant's budget" if args.budget else "") + "\n")
     print("| database | memo commit, model call (ms) | memo commit, tool call (ms) |"
           " run, per call (ms) | replay of the run to its frontier (ms) | rows |")
     print("| --- | --- | --- | --- | --- | --- |")

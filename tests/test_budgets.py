@@ -212,7 +212,7 @@ def _hold(job_id, scope, worst, token=1):
                                      lease_token=token, worst=Decimal(worst))
 
 
-def test_a_dead_runs_hold_is_written_off_at_its_worst_case_by_the_next_reservation(priced):
+def test_a_dead_runs_hold_counts_until_the_roll_up_writes_it_off_at_its_worst_case(priced):
     priced({"tenant:*": "1"})
     agent("dead", [], budget_key="tenant:5")
     held = _hold("dead", "tenant:5", "0.30")  # the job holds no lease: its run died mid-call
@@ -220,12 +220,15 @@ def test_a_dead_runs_hold_is_written_off_at_its_worst_case_by_the_next_reservati
     scopes = budgets.scopes_for("next", "test_agent_long", "tenant:5", None)
     Job.objects.filter(pk="next").update(lease_token=7, lease_until=datetime.datetime(2999, 1, 1, tzinfo=datetime.UTC))
     ids = budgets.reserve("next", 7, "t1/model", Decimal("0.60"), scopes)
+    # 0.30 still held by the dead run and 0.60 now: 0.20 would pass the budget of 1.
+    with pytest.raises(budgets.OverBudget):
+        budgets.reserve("next", 7, "t2/model", Decimal("0.20"), scopes)
+    assert budgets.write_off_dead() == 1
     held.refresh_from_db()
     assert (held.state, held.cost) == (HoldState.WRITTEN_OFF, Decimal("0.30"))
     row = budget("tenant:5")
     assert (row.spent, row.written_off) == (Decimal("0.30"), Decimal("0.30"))
-    # 0.30 written off and 0.60 held: 0.20 would pass the budget of 1.
-    with pytest.raises(budgets.OverBudget):
+    with pytest.raises(budgets.OverBudget):  # the same room, now as spent
         budgets.reserve("next", 7, "t2/model", Decimal("0.20"), scopes)
     budgets.settle(ids, Decimal("0.05"))
     row.refresh_from_db()

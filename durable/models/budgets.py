@@ -94,8 +94,8 @@ class BudgetHold(models.Model):
     """One model call's share of one budget: its worst case while it runs, then its cost.
 
     An open hold counts while its job holds the lease it was taken under; once that lease
-    passes, the next call on the budget writes it off at its worst case (the run died
-    during the call, which the provider may have billed).
+    passes, the workers' roll-up writes it off at its worst case (the run died during the
+    call, which the provider may have billed); until then it keeps its worst case reserved.
     """
 
     budget = models.ForeignKey(Budget, on_delete=models.CASCADE, related_name="holds",

@@ -7,16 +7,16 @@ call's worst case from each, or refuses the call when one has no room: spend nev
 a budget, whatever the number of runs in flight. The memo's transaction settles the call
 to its real cost (``settle``); a call that failed is released when it surely was not billed
 (refused, 4xx, 5xx) and written off at its worst case otherwise (a timeout: the provider
-may have billed it); a run that died during a call leaves its hold open, and the next
-reservation on its budget writes it off once the run's lease has passed.
+may have billed it); a run that died during a call leaves its hold open, held at its worst
+case, and the workers' roll-up writes it off once the run's lease has passed.
 """
 
 import logging
 from dataclasses import dataclass
 from decimal import Decimal
 
-from django.db import transaction
-from django.db.models import Exists, F, OuterRef, Sum
+from django.db import connection, transaction
+from django.db.models import Exists, F, OuterRef, Q, Sum
 from django.db.models.functions import Now
 
 from ..conf import durable_settings
@@ -85,19 +85,6 @@ def scopes_for(job_id, workflow, key, job_budget):
     return tuple(found)
 
 
-def _rows(scopes, now):
-    """The rows of ``scopes`` for the periods ``now`` falls in, made if missing: ``{scope: (row id, Scope)}``."""
-    rows = {}
-    for scope in scopes:
-        period_key, start, end = rules.period_of(scope.period, now)
-        row, _ = Budget.objects.get_or_create(
-            scope=scope.scope, period_key=period_key,
-            defaults={"amount": scope.amount, "period": scope.period, "period_start": start, "period_end": end,
-                      "pattern": scope.pattern, "when_over": scope.when_over})
-        rows[scope.scope] = (row.pk, scope)
-    return rows
-
-
 def _live(job_field="job_id", token_field="lease_token"):
     """Holds whose job still holds the lease they were taken under."""
     return Exists(Job.objects.filter(pk=OuterRef(job_field), lease_token=OuterRef(token_field),
@@ -132,51 +119,63 @@ def _by_budget(holds):
 
 
 def reserve(job_id, lease_token, key, worst, scopes):
-    """Take the call's worst case from every budget in ``scopes``: the holds' ids, or ``OverBudget``.
+    """Take the call's worst case from every budget in ``scopes``: its holds, or ``OverBudget``.
 
-    One transaction: the budgets' rows locked in scope order, the dead holds on them written
-    off, the room of each checked (its limit less what it spent and what open holds keep),
-    and a hold written on each. A call that does not fit takes nothing and leaves a
-    ``refused`` hold on the budget that stopped it (the budget page counts the runs waiting
-    on it; a grant lets them go on).
+    One transaction: the budgets' rows of the current periods locked in scope order (made
+    first if missing), the room of each checked (its limit less what it spent and what its
+    open holds keep, those of runs that died included until a roll-up writes them off),
+    and a hold written on each. The holds are ``(hold id, budget id)`` pairs. A call that
+    does not fit takes nothing and leaves a ``refused`` hold on the budget that stopped it
+    (the budget page counts the runs waiting on it; a grant lets them go on).
     """
     if not scopes:
         return ()
     worst = Decimal(worst)
-    now = database.current().now()
-    rows = _rows(sorted(scopes, key=lambda s: s.scope), now)
+    by_name = {scope.scope: scope for scope in scopes}
     with transaction.atomic():
-        locked = {b.pk: b for b in Budget.objects.select_for_update().filter(
-            pk__in=[pk for pk, _ in rows.values()]).order_by("scope")}
-        write_off_dead(locked)
-        for budget in locked.values():
-            budget.refresh_from_db(fields=["spent", "written_off"])
-        kept = dict(BudgetHold.objects.filter(budget_id__in=list(locked), state=HoldState.OPEN)
+        now = database.current().now()
+        periods = {scope.scope: rules.period_of(scope.period, now) for scope in scopes}
+        wanted = Q()
+        for name, (period_key, _, _) in periods.items():
+            wanted |= Q(scope=name, period_key=period_key)
+        locked = list(Budget.objects.select_for_update().filter(wanted).order_by("scope"))
+        if len(locked) < len(by_name):
+            _make(by_name, periods, {b.scope for b in locked})
+            locked = list(Budget.objects.select_for_update().filter(wanted).order_by("scope"))
+        kept = dict(BudgetHold.objects.filter(budget_id__in=[b.pk for b in locked], state=HoldState.OPEN)
                     .values("budget_id").annotate(total=Sum("worst")).values_list("budget_id", "total"))
-        for name in sorted(rows):
-            pk, scope = rows[name]
-            budget = locked[pk]
+        over = None
+        for budget in locked:
+            scope = by_name[budget.scope]
             if scope.is_job and budget.amount != scope.amount:
                 # A job's budget is its own (a grant raises it on the job): the row follows.
-                Budget.objects.filter(pk=pk).update(amount=scope.amount)
+                Budget.objects.filter(pk=budget.pk).update(amount=scope.amount)
                 budget.amount = scope.amount
-            room = budget.limit - budget.spent - (kept.get(pk) or ZERO)
-            if room < worst:
-                over = OverBudget(_over(budget, scope, worst, kept.get(pk) or ZERO), scope=budget.scope,
-                                  when_over=budget.when_over, until=budget.period_end)
+            if budget.limit - budget.spent - (kept.get(budget.pk) or ZERO) < worst:
+                over = (budget, OverBudget(_over(budget, scope, worst, kept.get(budget.pk) or ZERO),
+                                           scope=budget.scope, when_over=budget.when_over, until=budget.period_end))
                 break
-        else:
-            over = None
         if over is None:
-            BudgetHold.objects.filter(job_id=job_id, budget_id__in=list(locked), state=HoldState.REFUSED).update(
+            BudgetHold.objects.filter(job_id=job_id, state=HoldState.REFUSED).update(
                 state=HoldState.RELEASED, settled_at=Now())
             holds = BudgetHold.objects.bulk_create([
-                BudgetHold(budget_id=pk, job_id=job_id, key=key[:200], state=HoldState.OPEN,
-                           lease_token=lease_token, worst=worst) for pk, _ in rows.values()])
-            return tuple(hold.pk for hold in holds)
-        # Written off dead holds stay written off; the refusal is recorded with them.
-        _refused(budget, job_id, key, lease_token, worst)
-    raise over
+                BudgetHold(budget_id=budget.pk, job_id=job_id, key=key[:200], state=HoldState.OPEN,
+                           lease_token=lease_token, worst=worst) for budget in locked])
+            return tuple((hold.pk, hold.budget_id) for hold in holds)
+        _refused(over[0], job_id, key, lease_token, worst)
+    raise over[1]
+
+
+def _make(by_name, periods, present):
+    """The budget rows of the current periods that have none yet (a concurrent maker's stands)."""
+    for name, scope in by_name.items():
+        if name in present:
+            continue
+        period_key, start, end = periods[name]
+        Budget.objects.get_or_create(
+            scope=name, period_key=period_key,
+            defaults={"amount": scope.amount, "period": scope.period, "period_start": start, "period_end": end,
+                      "pattern": scope.pattern, "when_over": scope.when_over})
 
 
 def _refused(budget, job_id, key, lease_token, worst):
@@ -204,33 +203,65 @@ def _over(budget, scope, worst, kept):
     return f"{head}{held}; the next call may cost up to {money(worst)}, which does not fit; {then}"
 
 
-def settle(ids, cost, scopes_rows=None):
+# A call's holds settled and their budgets charged, in one statement (PostgreSQL).
+SETTLE = """
+WITH settled AS (
+    UPDATE durable_budgethold SET state = 'settled', cost = %(cost)s, settled_at = statement_timestamp()
+    WHERE id = ANY(%(ids)s) AND state = 'open'
+    RETURNING budget_id
+)
+UPDATE durable_budget AS b
+SET spent = b.spent + %(cost)s, calls = b.calls + 1, updated = statement_timestamp()
+FROM settled WHERE b.id = settled.budget_id
+"""
+
+
+def _ids(holds):
+    """Hold ids from holds given as ``(hold id, budget id)`` pairs or as ids."""
+    return [hold[0] if isinstance(hold, tuple | list) else hold for hold in holds]
+
+
+def settle(holds, cost, scopes_rows=None):
     """The call's memo commits (the caller's transaction): its holds settle to ``cost``.
 
-    ``scopes_rows``: for money recorded with no hold (a tool's cost), the ids of the
-    budgets it is added to.
+    ``holds`` as ``reserve`` returned them. ``scopes_rows``: for money recorded with no
+    hold (a tool's cost), the ids of the budgets it is added to.
     """
     cost = Decimal(cost)
-    if ids:
-        open_ = list(BudgetHold.objects.filter(pk__in=list(ids), state=HoldState.OPEN).values_list("pk", "budget_id"))
-        if open_:
-            BudgetHold.objects.filter(pk__in=[pk for pk, _ in open_]).update(
-                state=HoldState.SETTLED, cost=cost, settled_at=Now())
-            Budget.objects.filter(pk__in=[b for _, b in open_]).update(
-                spent=F("spent") + cost, calls=F("calls") + 1, updated=Now())
+    if holds and connection.vendor == "postgresql":
+        with connection.cursor() as cursor:  # one statement: the holds, then their budgets
+            cursor.execute(SETTLE, {"ids": _ids(holds), "cost": cost})
+    elif holds:
+        ids = _ids(holds)
+        settled = BudgetHold.objects.filter(pk__in=ids, state=HoldState.OPEN).update(
+            state=HoldState.SETTLED, cost=cost, settled_at=Now())
+        if settled == len(ids) and all(isinstance(hold, tuple) for hold in holds):
+            budget_ids = [budget_id for _, budget_id in holds]
+        else:  # some were closed meanwhile (written off): only those settled now count
+            budget_ids = list(BudgetHold.objects.filter(pk__in=ids, state=HoldState.SETTLED, cost=cost)
+                              .values_list("budget_id", flat=True)) if settled else []
+        if budget_ids:
+            Budget.objects.filter(pk__in=budget_ids).update(spent=F("spent") + cost, calls=F("calls") + 1,
+                                                           updated=Now())
     elif scopes_rows and cost:
         Budget.objects.filter(pk__in=list(scopes_rows)).update(spent=F("spent") + cost, updated=Now())
 
 
 def current_rows(scopes):
     """The ids of ``scopes``' budgets for the current periods (made if missing)."""
-    return [pk for pk, _ in _rows(scopes, database.current().now()).values()]
+    now = database.current().now()
+    periods = {scope.scope: rules.period_of(scope.period, now) for scope in scopes}
+    _make({scope.scope: scope for scope in scopes}, periods, ())
+    wanted = Q()
+    for name, (period_key, _, _) in periods.items():
+        wanted |= Q(scope=name, period_key=period_key)
+    return list(Budget.objects.filter(wanted).values_list("pk", flat=True))
 
 
 def release(ids):
     """The call surely was not billed (refused, malformed, a server error): its holds are given back."""
     if ids:
-        BudgetHold.objects.filter(pk__in=list(ids), state=HoldState.OPEN).update(
+        BudgetHold.objects.filter(pk__in=_ids(ids), state=HoldState.OPEN).update(
             state=HoldState.RELEASED, cost=ZERO, settled_at=Now())
 
 
@@ -240,7 +271,7 @@ def write_off(ids):
     if not ids:
         return
     with transaction.atomic():
-        for budget_id, worst, held in _by_budget(BudgetHold.objects.filter(pk__in=list(ids), state=HoldState.OPEN)):
+        for budget_id, worst, held in _by_budget(BudgetHold.objects.filter(pk__in=_ids(ids), state=HoldState.OPEN)):
             BudgetHold.objects.filter(pk__in=held).update(state=HoldState.WRITTEN_OFF, cost=F("worst"),
                                                           settled_at=Now())
             Budget.objects.filter(pk=budget_id).update(spent=F("spent") + worst,

@@ -168,7 +168,7 @@ def _add_events(add, start, end, workflow, *, after=False):
 def roll_up(now=None, *, catch_up=True):
     """Every roll-up: memo costs, then state moves (all passes the moves need, or one); and the
     budget holds of runs that died during their call, written off once their lease passed
-    (the next reservation on their budget would too; this keeps an idle budget's count true)."""
+    (until then they stay reserved: the budget's room is the same either way)."""
     now = now or locking.db_now()
     costs = ledger.roll_up_costs(now)
     moves = roll_up_moves(now)
