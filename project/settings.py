@@ -128,7 +128,10 @@ DURABLE = {
     },
     # The price of each model call, per million tokens (the demo's model is priced like a
     # hosted one). A provider that reports its own cost in the reply wins over this table.
-    "MODEL_PRICES": {"demo-model": {"input": "2.50", "output": "10.00"}},
+    "MODEL_PRICES": {"demo-model": {"input": "2.50", "output": "10.00", "max_output": 1024}},
+    # What the shop's support agent may spend on the model each day: each call's worst case
+    # (its request's bytes, 1,024 tokens out) is reserved before it goes, so this is a wall.
+    "BUDGETS": {"tenant:*": {"amount": "5.00", "period": "day"}},
     # The currency of those prices, so of every model cost the console and the demo write.
     # The shop's deals and refunds are in EUR; its model provider bills in USD.
     "CURRENCY": "USD",

@@ -20,7 +20,7 @@ from .conftest import wait_for
 
 pytest.importorskip("openai")
 
-PRICES = {"demo-model": {"input": "2.50", "output": "10.00"}}
+PRICES = {"demo-model": {"input": "2.50", "output": "10.00", "max_output": 1024}}
 
 
 # The agent, in process ---------------------------------------------------------------------

@@ -22,7 +22,7 @@ from .conftest import wait_for
 pytest.importorskip("openai")
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.crash]
 
-PRICES = {"demo-model": {"input": "2.50", "output": "10.00"}}
+PRICES = {"demo-model": {"input": "2.50", "output": "10.00", "max_output": 1024}}
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from django.db.models import Sum
 from django.urls import reverse
 
 from durable.core import formats
-from durable.models import Approval, EventKind, Job, JobEvent, Outbox, StepResult
+from durable.models import Approval, Budget, BudgetHold, EventKind, HoldState, Job, JobEvent, Outbox, StepResult
 from durable.testing import FakeModelServer, ReceiverProcess, read_store
 from durable.testing.fake_openai import turn_of
 from durable.verbs import jobs as services
@@ -29,6 +29,8 @@ from .support import MODEL, REFUND_APPROVAL_ABOVE, REQUESTS
 from .support_model import conversation, support_script
 
 WORKFLOW = "customer_support"
+# The shop is the demo's one tenant: its model calls spend from DURABLE["BUDGETS"]["tenant:*"].
+TENANT = "tenant:demo-shop"
 # The request whose model call is interrupted: the large refund, at its third call
 # (after the order was looked up and the ticket opened), so the resumed run replays
 # a read tool and an action from their memos before it asks the model again.
@@ -75,7 +77,7 @@ class SupportStory:
     def submit(self, run):
         for n, message in enumerate(REQUESTS, start=1):
             key = f"support-{n}-{run}"
-            services.submit(WORKFLOW, key, {"message": message}, submitted_by="demo")
+            services.submit(WORKFLOW, key, {"message": message}, submitted_by="demo", budget_key=TENANT)
             self.keys.append(key)
         self.say(f"   {len(self.keys)} customer messages for the support agent ({self.keys[0]} .."
                  f" {self.keys[-1]}); refunds above {REFUND_APPROVAL_ABOVE} EUR need approval")
@@ -147,6 +149,13 @@ class SupportStory:
         total = memos.aggregate(total=Sum("cost"))["total"] or Decimal(0)
         # Model cost is in DURABLE["CURRENCY"] (the price list's), as the console writes it.
         self.say(f"      {'total':24} {'':9} {'':11} {'':5}    {'':4}  {formats.money(total)}")
+        budget = Budget.objects.filter(scope=TENANT).order_by("-period_start").first()
+        if budget is not None:
+            held = BudgetHold.objects.filter(budget=budget, state=HoldState.OPEN).aggregate(
+                total=Sum("worst"))["total"] or Decimal(0)
+            self.say(f"   the shop's daily budget     {formats.money(budget.spent)} of {formats.money(budget.limit)}"
+                     f" spent ({formats.money(budget.written_off)} of it the worst case of calls cut off by a"
+                     f" kill), {formats.money(held)} reserved")
 
     def proposals(self):
         """The refunds waiting for a person: (approval, console path)."""
