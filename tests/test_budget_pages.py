@@ -22,7 +22,7 @@ from durable.models import Budget, BudgetGrant, BudgetHold, CachedCall, HoldStat
 from durable.reads import alerts, spend
 from durable.reads import budgets as reads
 from durable.store import locking
-from tests.test_budgets import CALL, PRICES, agent, priced, room_for, say, worst_case  # noqa: F401 - fixtures
+from tests.test_budgets import agent, priced, room_for, say, worst_case  # noqa: F401 - priced: a fixture
 from tests.test_console_support import make_job, make_memo, make_user
 from tests.test_limits_pages import text
 
@@ -321,6 +321,7 @@ def test_a_grant_lets_the_parked_runs_go_on_and_says_how_many(client, parked, ru
     ({"budget": "abc"}, "There is no budget &#x27;abc&#x27;."),
     ({"budget": ""}, "There is no budget &#x27;&#x27;."),
     ({"budget": "1 OR 1=1"}, "There is no budget &#x27;1 OR 1=1&#x27;."),
+    ({"budget": "²"}, "There is no budget &#x27;²&#x27;."),
     ({"amount": "lots"}, "&#x27;lots&#x27; is not an amount of money"),
     ({"amount": ""}, "give the amount to grant"),
     ({"amount": "-1"}, "grant an amount of more than 0, not &#x27;-1&#x27;"),
@@ -338,6 +339,22 @@ def test_a_tampered_grant_says_what_was_wrong_and_changes_nothing(client, parked
     sent = {"budget": str(tenant.pk), "amount": "1", "reason": "why not", **form}
     body = text(client.post(GRANT, sent, follow=True))
     assert said in body and "Nothing was changed." in body
+    assert unchanged(tenant, stopped)
+
+
+def test_a_grant_the_store_refuses_says_why_and_changes_nothing(client, parked):
+    tenant, stopped = parked
+    client.force_login(make_user("granter", "view_job", "grant_budget"))
+    from durable.exceptions import OperatorError
+    from durable.store import budgets as store
+
+    def refuse(*args, **kwargs):  # the row went between the form's check and the grant
+        raise OperatorError("There is no budget 5")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(store, "grant", refuse)
+        body = text(client.post(GRANT, {"budget": tenant.pk, "amount": "1", "reason": "x"}, follow=True))
+    assert "Grant to tenant:1 refused: There is no budget 5. Nothing was changed." in body
     assert unchanged(tenant, stopped)
 
 
@@ -436,7 +453,8 @@ def test_a_budget_past_80_percent_with_what_is_reserved_raises_a_warning(rows):
     near = codes(now)["budget_near"]
     assert (near.level, near.count, near.target) == ("warning", 1, "budgets")
     assert near.title == "1 budget passed 80 % of its limit"
-    assert f"tenant:a ({rows['a'].period_key}): USD 7.50 spent and USD 2.10 reserved of USD 12.00 (80.0 %)" in near.detail
+    said = f"tenant:a ({rows['a'].period_key}): USD 7.50 spent and USD 2.10 reserved of USD 12.00 (80.0 %)"
+    assert said in near.detail
     BudgetHold.objects.filter(worst=D("0.35")).update(worst=D("0.349999"))
     assert codes(now) == {}
 
@@ -453,6 +471,19 @@ def test_a_budget_that_stops_runs_raises_an_error_and_is_not_also_near(rows):
     hold(rows["own"], "own-1", HoldState.REFUSED, "0.9", now=rows["now"])
     hold(rows["old"], "wait-1", HoldState.REFUSED, "0.9", now=rows["now"])
     assert codes(rows["now"])["budget_stopping"].title == "2 budgets stop 3 runs: their next model call does not fit"
+
+
+def test_many_budgets_near_their_end_are_counted_and_the_most_used_named(rows, monkeypatch):
+    now = rows["now"]
+    monkeypatch.setattr(reads, "SHOWN", 3)
+    for n, spent in enumerate(["8", "9", "8.5", "9.9"]):
+        budget(f"tenant:n{n}", "10", now=now, spent=spent)
+    budget("tenant:zero", "0", now=now)  # a limit of nothing: used up, the first named
+    near = codes(now)["budget_near"]
+    assert near.count == 6 and near.title == "6 budgets passed 80 % of their limit"
+    # The most used first, a limit of nothing before all; the ties by name.
+    assert re.findall(r"tenant:(\w+) \(", near.detail) == ["zero", "n3", "b"]
+    assert "USD 0.00 spent of USD 0.00 (all)" in near.detail and "; and 3 more budgets." in near.detail
 
 
 def test_the_dashboard_shows_the_budget_alerts_and_counts_the_runs_stopped(client, rows):

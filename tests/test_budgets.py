@@ -347,3 +347,15 @@ def test_a_pipeline_steps_model_call_is_reserved_and_settled_too(priced, setting
         # It would not fit: no call was made, and the step waits for tomorrow's budget.
         assert len(server.paid_calls()) == 1 and poor.spent == 0
         assert waiting.next_run_at == poor.period_end and waiting.lease_owner is None
+
+
+def test_a_grant_refuses_an_amount_the_ledger_cannot_hold(priced, run_worker_inline, admin_user):
+    agent("g", [say("hi")], budget_key="tenant:12")
+    priced({"tenant:*": "1"})
+    run_worker_inline()
+    row = budget("tenant:12")
+    for amount in ("0.0000001", "1e12", "NaN", "-1", "0"):
+        with pytest.raises(OperatorError):
+            budgets.grant(row.pk, amount, user=admin_user, reason="x")
+    row.refresh_from_db()
+    assert row.granted == 0 and not BudgetGrant.objects.exists()

@@ -197,11 +197,12 @@ class SDKAdapter:
 
 
 def in_step(adapter, messages, tools, params, call):
-    """``call()``, paced under the provider's limits when a step function makes it (see
-    ``durable.steps.limits.in_step``; imported here, so that this module loads without the models)."""
-    from ..steps.limits import in_step as paced_in_step
+    """``call()``, reserved on the job's budgets and paced under the provider's limits when a step
+    function makes it (see ``durable.steps.budgets.in_step``; imported here, so that this module
+    loads without the models)."""
+    from ..steps.budgets import in_step as budgeted_in_step
 
-    return paced_in_step(adapter, messages, tools, params, call)
+    return budgeted_in_step(adapter, messages, tools, params, call)
 
 
 class OpenAIChat(SDKAdapter):

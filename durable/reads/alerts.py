@@ -151,9 +151,10 @@ def _plural(n, word, many=None):
     return f"{n} {word if n == 1 else many or word + 's'}"
 
 
-def _named(budgets, say):
-    named = "; ".join(say(b) for b in budgets[:NAMED_IN_ALERT])
-    more = len(budgets) - NAMED_IN_ALERT
+def _named(budgets, say, total=None):
+    shown = budgets[:NAMED_IN_ALERT]
+    named = "; ".join(say(b) for b in shown)
+    more = (len(budgets) if total is None else total) - len(shown)
     return named + (f"; and {_plural(more, 'more budget')}" if more > 0 else "")
 
 
@@ -170,7 +171,7 @@ def budget_alerts(now):
 
     Shown whatever the dashboard's scope: a tenant's budget is spent by every workflow's calls.
     """
-    stopping, near = budgets_alerting(now)
+    stopping, near, near_total = budgets_alerting(now)
     found = []
     if stopping:
         runs = sum(b.waiting for b in stopping)
@@ -190,12 +191,12 @@ def budget_alerts(now):
     if near:
         found.append(Alert(
             "budget_near", "warning",
-            f"{_plural(len(near), 'budget')} passed {NEAR_SHARE * 100:.0f} % of {'its' if len(near) == 1 else 'their'}"
-            " limit",
-            _named(near, _use) + ". A call whose worst case does not fit what is left will stop its run.",
+            f"{_plural(near_total, 'budget')} passed {NEAR_SHARE * 100:.0f} % of"
+            f" {'its' if near_total == 1 else 'their'} limit",
+            _named(near, _use, near_total) + ". A call whose worst case does not fit what is left will stop its run.",
             "Nothing, if the spend is expected: grant more before runs stop, or let the period end."
             " If it is not, find the runs that spend it on the budget's page.",
-            "budgets", {}, len(near),
+            "budgets", {}, near_total,
         ))
     return found
 

@@ -170,8 +170,7 @@ def _stopped_job(now):
     until later (no lease, due in the future), under the lease the call was refused in.
 
     A run let go on (granted, sent back: due now) or taken again since (its lease token moved
-    on: it reserved anew, maybe on the next period's budget) no longer waits on it, though its
-    refused hold stays until its next reservation on that budget.
+    on) no longer waits on it, though its refused hold stays until its next call is reserved.
     """
     stopped = Q(state=NEEDS_HUMAN) | Q(lease_owner__isnull=True, next_run_at__gt=now)
     return Exists(Job.objects.filter(stopped, pk=OuterRef("job_id"), lease_token=OuterRef("lease_token")))
@@ -313,22 +312,27 @@ def of_job(job, now):
 def alerting(now):
     """The declared budgets that stop runs, and the current ones near their end that do not yet.
 
-    ``(stopping, near)``, each the most used first. Three queries: the runs waiting per
-    budget, the budgets that stop runs, and the current budgets whose spent and reserved
-    reach ``NEAR_SHARE`` of their limit. Jobs' own budgets are left out: a run stopped by
-    its own budget is its own matter, counted among the jobs waiting for a person.
+    ``(stopping, near, near_total)``, the budgets the most used first; ``near`` holds the
+    ``SHOWN`` most used of the ``near_total``. Three queries, four when more than ``SHOWN``
+    are near: the runs waiting per budget, the budgets that stop runs, and the current
+    budgets whose spent and reserved reach ``NEAR_SHARE`` of their limit (and how many).
+    Jobs' own budgets are left out: a run stopped by its own budget is its own matter,
+    counted among the jobs waiting for a person.
     """
     waiting = _waiting(now)
     stopping = []
     if waiting:
         rows = _annotated(Budget.objects.filter(pk__in=list(waiting)).exclude(scope__startswith=rules.JOB))
         stopping = sorted((_state(row, waiting, {}, now) for row in rows), key=BudgetState.order)
+    # The float share selects (a hair below the line, so a share of exactly 80 % is not lost to
+    # its rounding); the money, exact, decides.
     near_rows = (_annotated(Budget.objects.filter(_current_q(now)).exclude(scope__startswith=rules.JOB))
                  .filter(Q(used_share__isnull=True) | Q(used_share__gte=float(NEAR_SHARE) - 1e-9))
                  .exclude(pk__in=[b.pk for b in stopping]))
-    near = sorted((_state(row, waiting, {}, now) for row in near_rows), key=BudgetState.order)
-    # The float share only selects; the exact money decides (a share of 79.99999 is not 80 %).
-    return stopping, [b for b in near if b.near]
+    top = list(near_rows.order_by(F("used_share").desc(nulls_first=True), "scope", "period_key")[:SHOWN])
+    near = [b for b in sorted((_state(row, waiting, {}, now) for row in top), key=BudgetState.order) if b.near]
+    total = len(near) if len(top) < SHOWN else near_rows.count() - (len(top) - len(near))
+    return stopping, near, total
 
 
 __all__ = ["BudgetState", "Overview", "alerting", "cache_use", "declared", "detail", "of_job", "one", "overview",

@@ -14,7 +14,8 @@ from ..conf import durable_settings
 from ..core import budgets as rules
 from ..core.workflows import NeedsHuman
 from ..store import budgets
-from .limits import Throttled
+from .limits import Throttled, current_step, step_call_key
+from .limits import in_step as paced_in_step
 
 
 def worst_of(adapter, name, messages, tools, params):
@@ -48,9 +49,18 @@ def guarded(holds, reserve, call):
         raise
 
 
-def in_step(adapter, messages, tools, params, call, here, key):
-    """``call`` for a pipeline step's model call: reserved on the job's budgets, settled from
-    its reply's cost at once. ``here`` is the step's context (``steps.limits``)."""
+def in_step(adapter, messages, tools, params, call):
+    """A model adapter's call: from a step function, reserved on the job's budgets and settled
+    from its reply's cost at once, then paced under the provider's limits (``steps.limits.in_step``)."""
+    here = current_step()
+    if here is None:
+        return call()
+    return paced_in_step(adapter, messages, tools, params,
+                         budgeted(adapter, messages, tools, params, call, here, step_call_key(here, ahead=1)))
+
+
+def budgeted(adapter, messages, tools, params, call, here, key):
+    """``call``, reserved on the budgets that cover the step's job (``here``) and settled after."""
     scopes = here.get("scopes")
     if scopes is None:
         from ..models import Job
@@ -80,4 +90,4 @@ def in_step(adapter, messages, tools, params, call, here, key):
     return budgeted
 
 
-__all__ = ["guarded", "hold", "in_step", "worst_of"]
+__all__ = ["budgeted", "guarded", "hold", "in_step", "worst_of"]

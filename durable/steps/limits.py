@@ -141,23 +141,31 @@ def step_calls(job_id, lease_token, step):
         _STEP.reset(token)
 
 
+def current_step():
+    """The context of the step function running in this thread (None outside one)."""
+    return _STEP.get()
+
+
+def step_call_key(here, ahead=0):
+    """The key of a step's model call: ``<step>/model/<n>``, by its order in the step."""
+    return f"{here['step']}/model/{here['calls'] + ahead}"
+
+
 def in_step(adapter, messages, tools, params, call):
     """A model adapter's call: from a step function, paced under the limits that cover it.
 
     Its calls are keyed by their order in the step (``<step>/model/<n>``), so the step run
     again after a throttle finds the turn its call booked. A call whose turn is far hands
     the job back (``Throttled``, which the runner acts on): the step runs again from the
-    top at its turn, as after any interruption. An agent's calls are paced by its run
-    (``paced``), not here.
+    top at its turn, as after any interruption. ``durable.steps.budgets.in_step`` calls this,
+    once the call's worst case is reserved on the job's budgets. An agent's calls are paced
+    by its run (``paced``), not here.
     """
     here = _STEP.get()
     if here is None:
         return call()
     here["calls"] += 1
-    key = f"{here['step']}/model/{here['calls']}"
-    from . import budgets
-
-    call = budgets.in_step(adapter, messages, tools, params, call, here, key)
+    key = step_call_key(here)
     provider = getattr(adapter, "provider", None) or getattr(adapter, "sdk", "")
     if not covering(provider, str(getattr(adapter, "model", "") or ""), getattr(adapter, "limits", ())):
         return call()

@@ -29,6 +29,8 @@ from .wakeups import wake_parked
 logger = logging.getLogger("durable.budgets")
 
 ZERO = Decimal(0)
+# The most a money column holds (18 digits, 6 of them decimals), less a margin for sums.
+LARGEST = Decimal(10) ** 11
 
 
 @dataclass(frozen=True)
@@ -319,6 +321,8 @@ def grant(budget_id, amount, *, user=None, reason="", job_id=None):
         raise OperatorError(str(exc)) from None
     if not amount:
         raise OperatorError("Grant more than nothing.")
+    if amount != amount.quantize(rules.CENT) or amount >= LARGEST:
+        raise OperatorError(f"The amount must have at most six decimals and be below {LARGEST:,}, not {amount}.")
     resumed = []
     with transaction.atomic():
         budget = Budget.objects.select_for_update().filter(pk=budget_id).first()

@@ -129,7 +129,9 @@ def grant(request, admin_site):
     try:
         budget, resumed = store.grant(budget.pk, amount, user=request.user, reason=reason)
     except DurableError as exc:
-        messages.error(request, f"Grant to {name} refused: {exc} Nothing was changed.")
+        said = str(exc).rstrip()
+        messages.error(request, f"Grant to {name} refused: {said}{'' if said.endswith('.') else '.'}"
+                                " Nothing was changed.")
         return HttpResponseRedirect(back)
     let_go = (f"{len(resumed)} parked run{'s' if len(resumed) != 1 else ''} let go on (pending now)"
               if resumed else "no run was parked on it")
@@ -145,7 +147,7 @@ def grant(request, admin_site):
 def _budget_id(raw):
     """The form's budget as a row id, or None when it cannot be one."""
     raw = raw.strip()
-    if not raw.isdigit() or len(raw) > 18:
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 18:
         return None
     return int(raw)
 
