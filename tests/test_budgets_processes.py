@@ -9,6 +9,7 @@ lets the parked runs finish. Then the cache: the same prompts twice, the second 
 costs nothing at the model server, and the memos record what it saved.
 """
 
+import datetime
 import json
 import os
 import random
@@ -139,4 +140,13 @@ def test_the_same_prompts_twice_cost_nothing_the_second_time(workers, settings):
     second = StepResult.objects.filter(job__in=Job.objects.filter(pk__startswith="p1-"), kind="model")
     assert sum(m.cost for m in second) == 0
     assert sum(m.cost_saved for m in second) == first_bill
+    # The cost report's split says the same: what was paid, what the cache saved.
+    from durable.reads.spend import paid_and_saved
+    from durable.store import locking
+
+    now = locking.db_now()
+    split = paid_and_saved(now - datetime.timedelta(hours=1), now + datetime.timedelta(minutes=1), by="model")
+    assert (split["paid"], split["saved"]) == (first_bill, first_bill)
+    [row] = split["rows"]
+    assert (row.name, row.answered_by_cache, row.saved_share) == ("fake-model", prompts, 50)
     print(f"\ncache drill: {prompts} prompts twice; billed {first_bill}, saved {first_bill} on the second pass")
