@@ -246,5 +246,20 @@ class DurableSettings:
             raise AttributeError(f"Unknown DURABLE setting {name!r}")
         return getattr(settings, "DURABLE", {}).get(name, DEFAULTS[name])
 
+    def parsed(self, name, parse):
+        """``parse(setting)`` of setting ``name``, parsed once per setting object: hot paths ask
+        on every call, and a setting changes only with the settings (a test's override gives
+        another object). The system checks say what is wrong with one that does not parse."""
+        setting = getattr(self, name)
+        last = _PARSED.get(name)
+        if last is not None and last[0] is setting:
+            return last[1]
+        value = parse(setting)
+        _PARSED[name] = (setting, value)
+        return value
+
+
+# The settings last parsed (``DurableSettings.parsed``): {name: (setting, value)}.
+_PARSED = {}
 
 durable_settings = DurableSettings()

@@ -48,20 +48,9 @@ class Throttled(Exception):  # noqa: N818 - a signal, not an error
         self.why = why
 
 
-# The setting last read and what it declares: every model call asks, and the setting
-# changes only with the settings (a test's override gives another dict).
-_declared = (None, ())
-
-
 def declared():
     """The limits ``DURABLE["LIMITS"]`` declares (the system check has said what is wrong)."""
-    global _declared
-    setting = durable_settings.LIMITS
-    if setting is _declared[0]:
-        return _declared[1]
-    specs = rules.parse(setting)
-    _declared = (setting, specs)
-    return specs
+    return durable_settings.parsed("LIMITS", rules.parse)
 
 
 def covering(provider, model, names=()):

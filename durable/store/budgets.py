@@ -58,19 +58,9 @@ class OverBudget(Exception):  # noqa: N818 - a decision, not an error
         self.until = until
 
 
-# The setting last read and what it declares (every reservation asks).
-_declared = (None, ())
-
-
 def declared():
     """The budgets ``DURABLE["BUDGETS"]`` declares (the system check has said what is wrong)."""
-    global _declared
-    setting = durable_settings.BUDGETS
-    if setting is _declared[0]:
-        return _declared[1]
-    specs = rules.parse(setting)
-    _declared = (setting, specs)
-    return specs
+    return durable_settings.parsed("BUDGETS", rules.parse)
 
 
 def key_of(budget_key, concurrency_key):
