@@ -359,3 +359,31 @@ def test_a_grant_refuses_an_amount_the_ledger_cannot_hold(priced, run_worker_inl
             budgets.grant(row.pk, amount, user=admin_user, reason="x")
     row.refresh_from_db()
     assert row.granted == 0 and not BudgetGrant.objects.exists()
+
+
+def test_a_grant_from_a_parked_jobs_page_goes_to_the_budget_that_stopped_it(
+        priced, run_worker_inline, client, admin_user, django_user_model):
+    from django.contrib.auth.models import Permission
+    from django.urls import reverse
+
+    priced({"tenant:*": {"amount": room_for(0, worst_case(run_worker_inline))}})
+    agent("j1", [say("hi"), say("again")], budget_key="tenant:13")
+    agent("j2", [say("hi")], budget_key="tenant:13")
+    run_worker_inline()
+    assert set(Job.objects.filter(pk__in=["j1", "j2"]).values_list("state", flat=True)) <= {"needs_human", "done"}
+    parked = list(Job.objects.filter(pk__in=["j1", "j2"], state="needs_human").values_list("pk", flat=True))
+    assert parked
+    # Allowed to grant a job its turns, not to grant a tenant's budget: refused, nothing changes.
+    clerk = django_user_model.objects.create_user("clerk", password="pw", is_staff=True)
+    clerk.user_permissions.add(*Permission.objects.filter(codename__in=["grant_job", "view_job", "change_job"]))
+    from durable.agents.tools import grant
+
+    with pytest.raises(DecisionForbidden, match="grant_budget"):
+        grant(parked[0], budget="1", user=clerk, reason="x")
+    assert budget("tenant:13").granted == 0
+    client.force_login(admin_user)
+    act = reverse("admin:durable_job_act", args=[parked[0], "grant"])
+    client.post(act, {"budget": "1", "reason": "from the job page"})
+    assert budget("tenant:13").granted == 1
+    assert BudgetGrant.objects.get().reason == "from the job page"
+    assert not Job.objects.filter(pk__in=parked, state="needs_human").exists()
