@@ -144,8 +144,10 @@ def test_a_row_claimed_ahead_waits_for_a_thread_and_a_drain_gives_it_back_unsent
         wait_for(lambda: Outbox.objects.filter(status=OutboxStatus.SUCCEEDED).count() == 1,
                  timeout=10, message="the first confirmation")
         # It answered: the next row sends and the last waits, claimed ahead, for the thread.
+        # (A row is marked attempted before its request leaves: the receiver sees it after.)
         wait_for(lambda: Outbox.objects.filter(status=OutboxStatus.ATTEMPTED).count() == 1
-                 and Outbox.objects.filter(status=OutboxStatus.PENDING, lease_owner="d").count() == 1,
+                 and Outbox.objects.filter(status=OutboxStatus.PENDING, lease_owner="d").count() == 1
+                 and len(receiver.actions) >= 2,
                  timeout=10, message="a row sending and one claimed ahead")
         assert len(receiver.actions) == 2  # one thread: never two sends at once
     finally:

@@ -22,7 +22,7 @@ from django.db import IntegrityError, connection
 import durable
 from durable.engine import commits as commits_module
 from durable.engine.commits import MemoCommits
-from durable.models import EventKind, Job, JobEvent, StepResult
+from durable.models import BudgetHold, EventKind, Job, JobEvent, StepResult
 from durable.signals import memos_committed
 from durable.store import locking
 from durable.store.records import MemoCommit
@@ -176,14 +176,20 @@ LOOKUP_THEN_ANSWER = [
 @pytest.mark.crash
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.skipif(not ON_POSTGRES, reason="counts PostgreSQL connections (pg_stat_activity)")
-def test_sixty_runs_in_flight_hold_no_more_connections_than_two_processes_may(workers, tmp_path):
+@pytest.mark.parametrize("budgeted", [False, True], ids=["plain", "under-a-budget"])
+def test_sixty_runs_in_flight_hold_no_more_connections_than_two_processes_may(workers, tmp_path, budgeted):
     runs, latency, connections_ = 60, 1.0, 3
+    # Under a tenant's budget each model call is reserved first: the reservation gives its
+    # connection back before the call waits, as everything else a run does.
+    spending = {"DURABLE_TEST_MODEL_PRICES": json.dumps({"fake-model": {"input": "1", "output": "1"}}),
+                "DURABLE_TEST_BUDGETS": json.dumps({"tenant:*": {"amount": "100", "period": "day"}})} \
+        if budgeted else {}
     with FakeModelServer(LOOKUP_THEN_ANSWER, latency=latency) as server:
         for n in range(runs):
-            durable.submit("test_agent", f"f{n}", {"model_url": server.url,
-                                                   "log": str(tmp_path / "tools.log")})
+            durable.submit("test_agent", f"f{n}", {"model_url": server.url, "log": str(tmp_path / "tools.log")},
+                           budget_key="tenant:1" if budgeted else None)
         proc = workers.start("--no-dispatcher", "--connections", str(connections_), processes=2,
-                             DURABLE_TEST_THREADS=runs // 2)
+                             DURABLE_TEST_THREADS=runs // 2, **spending)
         peak = 0
         deadline = time.monotonic() + 90
         while Job.objects.filter(state="done").count() < runs and time.monotonic() < deadline:
@@ -196,6 +202,9 @@ def test_sixty_runs_in_flight_hold_no_more_connections_than_two_processes_may(wo
     assert most_at_once(calls, latency) >= runs // 2  # the runs really waited together
     # Per process its pool and LISTEN's connection; the supervisor's one; nothing per run.
     assert 0 < peak <= 2 * (connections_ + 1) + 1, peak
+    if budgeted:  # each model call held on the tenant's budget and on its job's own, then settled
+        assert BudgetHold.objects.filter(state="settled").count() == 2 * 2 * runs
+        assert not BudgetHold.objects.exclude(state="settled").exists()
 
 
 @pytest.mark.crash

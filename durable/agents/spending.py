@@ -33,7 +33,8 @@ def reserve(run, adapter, name, messages, tools, params, key):
 
 def guarded(run, adapter, name, messages, tools, params, key, holds, call):
     """``call()`` with the call's worst case reserved first (its hold ids put in ``holds``)."""
-    return step_budgets.guarded(holds, lambda: reserve(run, adapter, name, messages, tools, params, key), call)
+    return step_budgets.guarded(holds, lambda: reserve(run, adapter, name, messages, tools, params, key), call,
+                                run.seat.release)
 
 
 def ttl(cache):

@@ -229,7 +229,7 @@ class Runner:
         began = time.monotonic()
         self._watch(started)
         try:
-            with pacing.step_calls(claimed.id, claimed.lease_token, step.name):  # its model calls are paced
+            with pacing.step_calls(claimed.id, claimed.lease_token, step.name, self.release):  # paced, budgeted
                 returned = started.workflow.call_step(step, data, ctx)
         except (NeedsHuman, Wait, WaitingOn, pacing.Throttled) as signal_:
             return self._signalled(started, signal_)

@@ -38,10 +38,13 @@ def hold(scopes, job_id, lease_token, key, worst):
         raise NeedsHuman(str(over)) from None
 
 
-def guarded(holds, reserve, call):
+def guarded(holds, reserve, call, release=None):
     """``call()`` once ``reserve()`` put the call's hold ids in ``holds``; a call that fails
-    gives them back or writes them off (``budgets.unwind``)."""
+    gives them back or writes them off (``budgets.unwind``). ``release`` gives the thread's
+    connection back between the reservation and the call, which waits on the network."""
     holds[:] = reserve()
+    if holds and release is not None:
+        release()
     try:
         return call()
     except BaseException as exc:
@@ -83,7 +86,7 @@ def budgeted(adapter, messages, tools, params, call, here, key):
 
     def budgeted():
         holds = []
-        reply = guarded(holds, reserve, call)
+        reply = guarded(holds, reserve, call, here.get("release"))
         budgets.settle(holds, getattr(reply, "cost", 0) or 0)
         return reply
 

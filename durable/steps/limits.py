@@ -121,9 +121,12 @@ def paced(adapter, messages, tools, params, call, *, job_id, lease_token, key, r
 
 
 @contextlib.contextmanager
-def step_calls(job_id, lease_token, step):
-    """While a step function of job ``job_id`` runs: its model calls are paced (``in_step``)."""
-    token = _STEP.set({"job_id": job_id, "lease_token": lease_token, "step": step, "calls": 0})
+def step_calls(job_id, lease_token, step, release=None):
+    """While a step function of job ``job_id`` runs: its model calls are paced (``in_step``).
+
+    ``release`` gives the thread's connection back before a call waits on the network."""
+    token = _STEP.set({"job_id": job_id, "lease_token": lease_token, "step": step, "calls": 0,
+                       "release": release})
     try:
         yield
     finally:
@@ -162,4 +165,4 @@ def in_step(adapter, messages, tools, params, call):
 
     priority = Job.objects.filter(pk=here["job_id"]).values_list("priority", flat=True).first() or 0
     return paced(adapter, messages, tools, params, call, job_id=here["job_id"], lease_token=here["lease_token"],
-                 key=key, priority=priority)
+                 key=key, priority=priority, release=here.get("release"))
