@@ -313,6 +313,13 @@ def test_the_cli_grants_a_tenants_budget_and_the_job_it_parked(priced, run_worke
     assert budget("tenant:8").granted == 1 and BudgetGrant.objects.get().job_id == parked[0]
     run_worker_inline()
     assert Job.objects.filter(pk__in=["k1", "k2", "k3"], state="done").count() == 3
+    import io
+
+    out = io.StringIO()
+    call_command("durable", "budgets", stdout=out)
+    row = budget("tenant:8")
+    assert f"USD 0.06 spent, USD 0.00 reserved, of USD {row.limit.normalize()}: tenant:8 ({row.period_key})" \
+        in out.getvalue()
 
 
 def test_purge_takes_a_jobs_own_budget_and_expired_cache_entries(priced, run_worker_inline):
