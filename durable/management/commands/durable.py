@@ -99,20 +99,18 @@ class Command(BaseCommand):
                           f" {formats.money(row.limit)}; {len(resumed)} parked runs go on")
 
     def do_budgets(self, **options):
-        from ...models import Budget, BudgetHold, HoldState
-        from ...store import budgets, locking
+        from ...reads import budgets
+        from ...store import locking
 
-        now = locking.db_now()
-        rows = Budget.objects.exclude(period_end__lte=now).exclude(scope__startswith="job:").order_by("scope")
-        held = {}
-        for budget_id, worst in BudgetHold.objects.filter(budget__in=rows, state=HoldState.OPEN).values_list(
-                "budget_id", "worst"):
-            held[budget_id] = held.get(budget_id, 0) + worst
-        if not rows:
+        found = budgets.overview(locking.db_now())  # what the Budgets tab shows, the most used first
+        if not found.budgets:
             self.stdout.write("no budget has a row for the current period yet")
-        for row in rows:
-            self.stdout.write(f"{formats.money(row.spent)} spent, {formats.money(held.get(row.pk, 0))} reserved,"
-                              f" of {formats.money(row.limit)}: {budgets.describe(row)}")
+        for b in found.budgets:
+            self.stdout.write(f"{formats.money(b.spent)} spent, {formats.money(b.reserved)} reserved,"
+                              f" of {formats.money(b.limit)}: {b.name}"
+                              + (f"; {b.waiting} runs waiting on it" if b.waiting else ""))
+        if found.more:
+            self.stdout.write(f"... and {found.more} more")
 
     def _each(self, service, jobs, reason, user, done):
         failed = 0
