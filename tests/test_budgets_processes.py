@@ -1,12 +1,12 @@
 """Budgets and the cache with real processes: spend never passes a budget, whatever is killed.
 
-A hundred agent runs of one tenant (two hundred with ``DURABLE_BUDGET_DRILL_RUNS=200``), each two model calls, against a tenant budget that
-covers about half of them; four ``runworkers`` processes, SIGKILLed throughout. The fake
-model server is the witness: what it billed (every call its model worked on, whether or
-not the caller lived to read the reply) never passes the budget, and the budget's own
-count is never below it (a call whose run died is counted at its worst case). A grant
-lets the parked runs finish. Then the cache: the same prompts twice, the second pass
-costs nothing at the model server, and the memos record what it saved.
+A hundred agent runs of one tenant (two hundred with ``DURABLE_BUDGET_DRILL_RUNS=200``), each
+two model calls, against a tenant budget that covers about half of them; four ``runworkers``
+processes, SIGKILLed throughout. The fake model server is the witness: what it billed (every
+call its model worked on, whether or not the caller lived to read the reply) never passes
+the budget, and the budget's own count is never below it (a call whose run died is counted
+at its worst case). A grant lets the parked runs finish. Then the cache: the same prompts
+twice, the second pass costs nothing at the model server, and the memos record what it saved.
 """
 
 import datetime
