@@ -337,7 +337,6 @@ class AgentRun:
                              " grant more budget to let it go on")
 
 
-
 class AgentContext:
     """What an agent's ``run()`` sees: the job, and every call it may make under a key."""
 

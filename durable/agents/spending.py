@@ -1,40 +1,23 @@
 """What an agent's calls spend: budgets reserved before a model call, and the cache that saves.
 
-``reserve`` holds a model call's worst case on every budget that covers the run
+``guarded`` holds a model call's worst case on every budget that covers the run
 (``durable.store.budgets``); the memo's transaction settles it (``AgentRun.commit``).
 ``cached`` answers a call from a reply another job paid for (``durable.store.cache``).
 """
 
-from ..core import budgets as budget_rules
-from ..exceptions import PermanentError
 from ..steps import budgets as step_budgets
 from ..store import cache as call_cache
 
 
-def reserve(run, adapter, name, messages, tools, params, key):
-    """Before a model call: its worst case held on every budget that covers ``run``.
-
-    The holds' ids; ``NeedsHuman`` or ``Throttled`` (the budget's ``when_over``) when one
-    has no room. A model with no price under the run's own budget alone falls back to
-    ``run.check_budget`` (the memos spent less than the budget); under a declared budget
-    it is a configuration error, and the job fails saying so.
-    """
-    if not run.scopes:
-        return ()
-    try:
-        worst = step_budgets.worst_of(adapter, name, messages, tools, params)
-    except budget_rules.BudgetConfigError as exc:
-        if all(scope.is_job for scope in run.scopes):
-            run.check_budget()
-            return ()
-        raise PermanentError(str(exc)) from None
-    return step_budgets.hold(run.scopes, run.claimed.id, run.claimed.lease_token, key, worst)
-
-
 def guarded(run, adapter, name, messages, tools, params, key, holds, call):
-    """``call()`` with the call's worst case reserved first (its hold ids put in ``holds``)."""
-    return step_budgets.guarded(holds, lambda: reserve(run, adapter, name, messages, tools, params, key), call,
-                                run.seat.release)
+    """``call()`` with the call's worst case reserved first on the run's budgets (its hold ids put
+    in ``holds``); a model with no price under the job's own budget alone falls back to
+    ``run.check_budget`` (the memos spent less than the budget)."""
+    claimed = run.claimed
+    return step_budgets.guarded(
+        holds, lambda: step_budgets.reserve(run.scopes, claimed.id, claimed.lease_token, key, adapter, name, messages,
+                                            tools, params, unpriced=run.check_budget),
+        call, run.seat.release)
 
 
 def ttl(cache):
@@ -65,4 +48,4 @@ def cached(key, model=None):
     return kept, {"model": answered or model, "hit": (key, saved)}
 
 
-__all__ = ["cache_key", "cached", "guarded", "reserve", "ttl"]
+__all__ = ["cache_key", "cached", "guarded", "ttl"]

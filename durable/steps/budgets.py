@@ -13,6 +13,7 @@ reply (``in_step``), since the step's memo comes only when the whole step ends.
 from ..conf import durable_settings
 from ..core import budgets as rules
 from ..core.workflows import NeedsHuman
+from ..exceptions import PermanentError
 from ..store import budgets
 from .limits import Throttled, current_step, step_call_key
 from .limits import in_step as paced_in_step
@@ -26,6 +27,25 @@ def worst_of(adapter, name, messages, tools, params):
     tokens = counted(messages, tools) if counted is not None else rules.worst_input_tokens(messages, tools)
     prices = getattr(adapter, "prices", None)
     return rules.worst_cost(name, tokens, out, durable_settings.MODEL_PRICES if prices is None else prices)
+
+
+def reserve(scopes, job_id, lease_token, key, adapter, name, messages, tools, params, unpriced=None):
+    """A model call's worst case held on ``scopes``: its holds, or the job stops as the budget says.
+
+    A model with no price cannot be bounded: under a declared budget the job fails saying so;
+    under its own budget alone, ``unpriced()`` decides when given (an agent falls back to its
+    memos' ledger).
+    """
+    if not scopes:
+        return ()
+    try:
+        worst = worst_of(adapter, name, messages, tools, params)
+    except rules.BudgetConfigError as exc:
+        if unpriced is not None and all(scope.is_job for scope in scopes):
+            unpriced()
+            return ()
+        raise PermanentError(str(exc)) from None
+    return hold(scopes, job_id, lease_token, key, worst)
 
 
 def hold(scopes, job_id, lease_token, key, worst):
@@ -75,22 +95,14 @@ def budgeted(adapter, messages, tools, params, call, here, key):
         return call
     name = str(getattr(adapter, "model", "") or type(adapter).__name__)
 
-    def reserve():
-        try:
-            worst = worst_of(adapter, name, messages, tools, params)
-        except rules.BudgetConfigError as exc:
-            from ..exceptions import PermanentError
-
-            raise PermanentError(str(exc)) from None
-        return hold(scopes, here["job_id"], here["lease_token"], key, worst)
-
     def budgeted():
         holds = []
-        reply = guarded(holds, reserve, call, here.get("release"))
+        reply = guarded(holds, lambda: reserve(scopes, here["job_id"], here["lease_token"], key, adapter, name,
+                                               messages, tools, params), call, here.get("release"))
         budgets.settle(holds, getattr(reply, "cost", 0) or 0)
         return reply
 
     return budgeted
 
 
-__all__ = ["budgeted", "guarded", "hold", "in_step", "worst_of"]
+__all__ = ["budgeted", "guarded", "hold", "in_step", "reserve", "worst_of"]

@@ -86,28 +86,34 @@ def _live(job_field="job_id", token_field="lease_token"):
 def write_off_dead(budget_ids=None):
     """Open holds whose run's lease passed are counted at their worst case: the run died during
     its call, which the provider may have billed. Returns how many were written off."""
-    dead = BudgetHold.objects.filter(state=HoldState.OPEN).exclude(_live())
+    dead = BudgetHold.objects.exclude(_live())
     if budget_ids is not None:
         dead = dead.filter(budget_id__in=list(budget_ids))
-    total = 0
-    for budget_id, worst, ids in _by_budget(dead):
-        BudgetHold.objects.filter(pk__in=ids, state=HoldState.OPEN).update(
-            state=HoldState.WRITTEN_OFF, cost=F("worst"), settled_at=Now())
-        Budget.objects.filter(pk=budget_id).update(spent=F("spent") + worst, written_off=F("written_off") + worst,
-                                                   updated=Now())
-        total += len(ids)
+    total = _write_off(dead)
     if total:
         logger.warning("wrote off %d budget holds of runs that died during their call", total)
     return total
 
 
-def _by_budget(holds):
-    grouped = {}
-    for pk, budget_id, worst in holds.values_list("pk", "budget_id", "worst"):
-        entry = grouped.setdefault(budget_id, [ZERO, []])
-        entry[0] += worst
-        entry[1].append(pk)
-    return [(budget_id, worst, ids) for budget_id, (worst, ids) in grouped.items()]
+def _write_off(holds):
+    """The open ones of ``holds`` counted as spent at their worst case: how many.
+
+    One transaction that locks them first, so two processes writing off the same hold (two
+    roll-ups) count it once.
+    """
+    with transaction.atomic():
+        rows = list(holds.filter(state=HoldState.OPEN).select_for_update(of=("self",))
+                    .values_list("pk", "budget_id", "worst"))
+        per_budget = {}
+        for _, budget_id, worst in rows:
+            per_budget[budget_id] = per_budget.get(budget_id, ZERO) + worst
+        if rows:
+            BudgetHold.objects.filter(pk__in=[pk for pk, _, _ in rows]).update(
+                state=HoldState.WRITTEN_OFF, cost=F("worst"), settled_at=Now())
+        for budget_id, worst in per_budget.items():
+            Budget.objects.filter(pk=budget_id).update(spent=F("spent") + worst,
+                                                       written_off=F("written_off") + worst, updated=Now())
+    return len(rows)
 
 
 def reserve(job_id, lease_token, key, worst, scopes):
@@ -260,14 +266,8 @@ def release(ids):
 def write_off(ids):
     """The call failed after it was sent (a timeout, a cut connection, an unusable reply): the
     provider may have billed it, so its worst case is counted as spent."""
-    if not ids:
-        return
-    with transaction.atomic():
-        for budget_id, worst, held in _by_budget(BudgetHold.objects.filter(pk__in=_ids(ids), state=HoldState.OPEN)):
-            BudgetHold.objects.filter(pk__in=held).update(state=HoldState.WRITTEN_OFF, cost=F("worst"),
-                                                          settled_at=Now())
-            Budget.objects.filter(pk=budget_id).update(spent=F("spent") + worst,
-                                                       written_off=F("written_off") + worst, updated=Now())
+    if ids:
+        _write_off(BudgetHold.objects.filter(pk__in=_ids(ids)))
 
 
 def unwind(ids, exc):
